@@ -1,0 +1,328 @@
+"""DsaExport: model code + the manifest's export view → torch-dialect MLIR with externalised parameters,
+and an export record.
+
+The MLIR names every parameter (`#flow.parameter.named<"model"::"name">`) and holds none of their values, so
+a weights-only change never reaches this stage. The export record (JSON) is the stage's contract with the
+next ones: entry point, inputs and outputs with shapes and dtypes, dynamic dims and their bounds (or the
+bucket a specialised export is for), every parameter's name/shape/dtype, an op histogram, and the digests
+of the model sources it was made from.
+
+Without a bucket the export keeps the model's dynamic dims dynamic; with a bucket (see `dsa_bucket`) each
+named dim is fixed to the bucket's size, and the parameters must equal those of the model's own export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import importlib
+import re
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from dsa import importer_fixes
+from dsa.errors import DsaError, run_cli
+from dsa.fileio import read_json, sha256_bytes, sha256_file, write_bytes_atomic, write_json_atomic
+from dsa.spec import DTYPE_NAMES, ExportSpec, InputSpec
+
+PARAMETER_SCOPE = "model"
+RECORD_FORMAT = 1
+# Upper bound given to torch.export for a dynamic dim. IREE does not enforce it at run time; the runner does.
+DYNAMIC_DIM_MAX = 65536
+# Seed of the example inputs used for tracing (values never reach the artifact, only shapes do).
+EXAMPLE_SEED = 0
+
+
+def load_entry_point(entry_point: str, pythonpath: Sequence[str] = ()):
+    """Imports `package.module:function`, with `pythonpath` appended to sys.path."""
+    for entry in pythonpath:
+        if entry not in sys.path:
+            sys.path.append(entry)
+    module_name, _, function_name = entry_point.partition(":")
+    if not module_name or not function_name:
+        raise DsaError("model.entry_point", f"'{entry_point}' is not of the form package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise DsaError(
+            "model.entry_point",
+            f"cannot import '{module_name}': {e}",
+            "add the model's py_library to the rule's `deps` (or its directory to --pythonpath)",
+        ) from None
+    try:
+        return getattr(module, function_name)
+    except AttributeError:
+        raise DsaError("model.entry_point", f"module '{module_name}' has no function '{function_name}'") from None
+
+
+def _example_size(minimum: int) -> int:
+    # torch.export specialises a dim traced at size 0 or 1; trace well above the minimum.
+    return max(2 * minimum, 16)
+
+
+def _shape_of(value, dim_names: Dict[str, str]) -> list:
+    shape = []
+    for d in value.shape:
+        text = str(d)
+        shape.append(int(text) if text.isdigit() else dim_names.get(text, text))
+    return shape
+
+
+def _op_histogram(graph_module) -> Dict[str, int]:
+    """Counts call_function targets in the exported graph and in every subgraph (e.g. a loop body)."""
+    counts: collections.Counter = collections.Counter()
+    for module in graph_module.modules():
+        graph = getattr(module, "graph", None)
+        if graph is None:
+            continue
+        for node in graph.nodes:
+            if node.op == "call_function":
+                name = getattr(node.target, "__name__", str(node.target))
+                counts[str(getattr(node.target, "_name", name))] += 1
+    return dict(sorted(counts.items()))
+
+
+_UNSUPPORTED = re.compile(r'torch\.operator "([^"]+)"')
+
+
+def _check_supported_ops(mlir: str, exported, where: str) -> None:
+    """An op the importer could not map to the torch dialect fails late in iree-compile; fail here instead,
+    naming the op and the model module it came from."""
+    ops = sorted(set(_UNSUPPORTED.findall(mlir)))
+    if not ops:
+        return
+    problems = []
+    for op in ops:
+        short = op.split(".", 1)[-1]  # torch.aten.linalg_eig → aten.linalg_eig
+        paths = []
+        for module in exported.graph_module.modules():
+            for node in getattr(module, "graph", None).nodes if hasattr(module, "graph") else []:
+                if node.op == "call_function" and str(node.target).startswith(short):
+                    stack = node.meta.get("nn_module_stack") or {}
+                    if stack:
+                        paths.append(list(stack.values())[-1][0] or "<root>")
+        where_ops = f" in module {', '.join(sorted(set(paths)))}" if paths else ""
+        problems.append(f"'{short}'{where_ops}")
+    raise DsaError(
+        where,
+        f"unsupported op {'; '.join(problems)}: IREE cannot lower it (imported as torch.operator)",
+        "replace the op in the model code, or add a decomposition for it before export",
+    )
+
+
+def _dynamic_shapes(inputs: Sequence[InputSpec], minimums: Dict[str, int]):
+    """torch.export dynamic_shapes for the positional inputs, or None when every shape is static."""
+    import torch
+
+    if not any(s.dynamic for s in inputs):
+        return None
+    objects: Dict[str, object] = {}
+    for s in inputs:
+        for name in s.dynamic.values():
+            objects.setdefault(name, torch.export.Dim(name, min=minimums.get(name, 1), max=DYNAMIC_DIM_MAX))
+    return tuple({axis: objects[name] for axis, name in s.dynamic.items()} or None for s in inputs)
+
+
+def export_model(
+    view: dict,
+    out_mlir: Path,
+    out_record: Path,
+    *,
+    bucket: Optional[dict] = None,
+    reference_record: Optional[dict] = None,
+    sources: Sequence[str] = (),
+    pythonpath: Sequence[str] = (),
+    manifest_name: str = "manifest",
+) -> dict:
+    """Exports the model that `view["model"]["entry_point"]` builds. Returns the export record."""
+    import numpy as np
+    import torch
+    from iree.turbine import aot
+
+    importer_fixes.apply()
+    entry = load_entry_point(view["model"]["entry_point"], pythonpath)
+
+    # A first call at a nominal size tells us the model's dynamic dims and their minimums.
+    probe = entry(view, NominalDims())
+    minimums = dict(probe.dim_minimums)
+    names = probe.dynamic_dim_names()
+    if bucket is not None:
+        if bucket["dim"] not in names:
+            raise DsaError(
+                f"{manifest_name}: buckets.{bucket['dim']}",
+                f"the model has no dynamic dim '{bucket['dim']}' (its dynamic dims: {', '.join(names) or 'none'})",
+                "bucket only the dims the model declares dynamic",
+            )
+        if bucket["size"] < minimums.get(bucket["dim"], 1):
+            raise DsaError(
+                f"{manifest_name}: buckets.{bucket['dim']}[{bucket['slot']}]",
+                f"bucket size {bucket['size']} is below the model's minimum {minimums[bucket['dim']]} for "
+                f"'{bucket['dim']}'",
+                "raise the bucket size",
+            )
+        dims = {name: _example_size(minimums.get(name, 1)) for name in names}
+        dims[bucket["dim"]] = bucket["size"]
+        static = {bucket["dim"]}
+    else:
+        dims = {name: _example_size(minimums.get(name, 1)) for name in names}
+        static = set()
+
+    spec: ExportSpec = entry(view, dims)
+    module = spec.module.eval()
+    aot.externalize_module_parameters(module, external_scope=PARAMETER_SCOPE)
+    rng = np.random.default_rng(EXAMPLE_SEED)
+    args = tuple(s.example(rng) for s in spec.inputs)
+
+    # Axes of the bucketed dim are traced at the bucket's size and exported static.
+    traced = [dataclasses.replace(s, dynamic={a: n for a, n in s.dynamic.items() if n not in static})
+              for s in spec.inputs]
+    dynamic = _dynamic_shapes(traced, minimums)
+
+    where = f"{manifest_name}: model.entry_point ({view['model']['entry_point']})"
+    try:
+        with torch.no_grad():
+            exported = torch.export.export(
+                module, args, dynamic_shapes=(dynamic,) if dynamic else None, strict=False
+            )
+    except Exception as e:  # torch reports guard failures, unsupported Python, ... with long texts.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DsaError(where, f"torch.export failed: {type(e).__name__}: {first}",
+                       "make the model traceable by torch.export (see the message above)") from None
+
+    output = aot.export(exported)
+    mlir = str(output.mlir_module)
+    _check_supported_ops(mlir, exported, where)
+
+    parameters = []
+    for name, tensor in sorted(module.state_dict().items()):
+        parameters.append({"name": name, "shape": list(tensor.shape), "dtype": DTYPE_NAMES[tensor.dtype]})
+        if f'"{PARAMETER_SCOPE}"::"{name}"' not in mlir and f"\"{name}\"" not in mlir:
+            raise DsaError(where, f"parameter '{name}' was not externalised (its values would be inlined)",
+                           "register it as an nn.Parameter or persistent buffer of the exported module")
+
+    # Dim symbols in the traced shapes (s0, s1, ...) → the model's dim names.
+    symbol_names: Dict[str, str] = {}
+    user_inputs = [
+        n for n in exported.graph.nodes
+        if n.op == "placeholder" and n.name in set(exported.graph_signature.user_inputs)
+    ]
+    for s, node in zip(traced, user_inputs):
+        for axis, name in s.dynamic.items():
+            symbol_names[str(node.meta["val"].shape[axis])] = name
+
+    inputs = []
+    for s, node in zip(spec.inputs, user_inputs):
+        entry_input = {
+            "name": s.name,
+            "shape": _shape_of(node.meta["val"], symbol_names),
+            "dtype": s.dtype,
+        }
+        if s.dynamic:  # named dims (dynamic, or fixed to this bucket) and how the runner pads them
+            entry_input["dims"] = {str(axis): name for axis, name in sorted(s.dynamic.items())}
+            entry_input["pad_value"] = s.pad_value
+        if s.value_range is not None:
+            entry_input["value_range"] = list(s.value_range)
+        if s.sample_range is not None:
+            entry_input["sample_range"] = list(s.sample_range)
+        inputs.append(entry_input)
+    output_node = next(n for n in exported.graph.nodes if n.op == "output")
+    out_vals = [a.meta["val"] for a in output_node.args[0]]
+    if len(out_vals) != len(spec.outputs):
+        raise DsaError(where, f"the model returns {len(out_vals)} outputs but its spec names {len(spec.outputs)}")
+    outputs = [
+        {"name": name, "shape": _shape_of(v, symbol_names), "dtype": DTYPE_NAMES[v.dtype]}
+        for name, v in zip(spec.outputs, out_vals)
+    ]
+
+    import iree.compiler
+    import iree.turbine
+
+    record = {
+        "format": RECORD_FORMAT,
+        "model_id": view["model_id"],
+        "function": "main",
+        "parameter_scope": PARAMETER_SCOPE,
+        "inputs": inputs,
+        "outputs": outputs,
+        "parameters": parameters,
+        "parameter_count": int(sum(int(np.prod(p["shape"])) for p in parameters)),
+        "op_histogram": _op_histogram(exported.graph_module),
+        "sources": {path: sha256_file(path) for path in sorted(sources)},
+        "mlir_sha256": sha256_bytes(mlir.encode("utf-8")),
+        "toolchain": {
+            "torch": torch.__version__,
+            "iree-turbine": _version("iree-turbine"),
+            "iree-base-compiler": _version("iree-base-compiler"),
+        },
+    }
+    if bucket is not None:
+        record["bucket"] = {"dim": bucket["dim"], "size": bucket["size"], "slot": bucket["slot"]}
+        record["dynamic_dims"] = {
+            n: {"min": minimums.get(n, 1), "max": DYNAMIC_DIM_MAX} for n in names if n not in static
+        }
+    else:
+        record["dynamic_dims"] = {n: {"min": minimums.get(n, 1), "max": DYNAMIC_DIM_MAX} for n in names}
+
+    if reference_record is not None and reference_record["parameters"] != parameters:
+        raise DsaError(
+            where,
+            "the bucket export's parameters differ from the model export's "
+            "(the model builds different weights at different sizes)",
+            "make parameter shapes independent of the dynamic dims",
+        )
+
+    write_bytes_atomic(out_mlir, mlir.encode("utf-8"))
+    write_json_atomic(out_record, record)
+    return record
+
+
+def _version(dist: str) -> str:
+    from importlib import metadata
+
+    return metadata.version(dist)
+
+
+class NominalDims(dict):
+    """A dims mapping for calls that only need the model's structure: any dim name gets a nominal size."""
+
+    def __missing__(self, key):
+        return 16
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="dsa-export", description=__doc__.splitlines()[0])
+    parser.add_argument("--view", required=True, help="the manifest's export view (JSON)")
+    parser.add_argument("--bucket-view", help="a bucket view (JSON): export with that dim fixed")
+    parser.add_argument("--bucket-count", type=int, help="bucket count the build declares for the dim")
+    parser.add_argument("--bucket-target", default="the dsa_bucket target", help="its label, for messages")
+    parser.add_argument("--reference-record", help="the model export's record, checked against a bucket's")
+    parser.add_argument("--source", action="append", default=[], help="model source file to digest")
+    parser.add_argument("--pythonpath", action="append", default=[], help="directory holding model code")
+    parser.add_argument("--manifest-name", default="manifest", help="manifest path, for messages")
+    parser.add_argument("--out-mlir", required=True)
+    parser.add_argument("--out-record", required=True)
+    a = parser.parse_args(argv)
+    bucket = read_json(a.bucket_view) if a.bucket_view else None
+    if bucket is not None and a.bucket_count is not None and bucket["count"] != a.bucket_count:
+        raise DsaError(
+            f"{a.manifest_name}: buckets.{bucket['dim']}",
+            f"the manifest lists {bucket['count']} bucket(s) but {a.bucket_target} declares count = "
+            f"{a.bucket_count}",
+            f"set count = {bucket['count']} on {a.bucket_target}",
+        )
+    export_model(
+        read_json(a.view),
+        Path(a.out_mlir),
+        Path(a.out_record),
+        bucket=bucket,
+        reference_record=read_json(a.reference_record) if a.reference_record else None,
+        sources=a.source,
+        pythonpath=a.pythonpath,
+        manifest_name=a.manifest_name,
+    )
+
+
+if __name__ == "__main__":
+    run_cli(main, "dsa-export")

@@ -1,0 +1,118 @@
+"""DsaParams: checkpoint + the manifest's params view + the export record → an IREE parameter archive (.irpa).
+
+The checkpoint is checked against the manifest's pinned sha256, then tensor by tensor against the export
+record: every parameter the compiled module will ask for must be present with the recorded shape and dtype,
+and nothing else may be in the file. (The IREE runtime itself does not notice a transposed or oversized
+tensor.) Entries are written in name order with shape/dtype metadata, so the archive is deterministic and
+self-describing. Only this stage reads the checkpoint: a weights-only change reruns it and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import List, Optional
+
+from dsa.errors import DsaError, run_cli
+from dsa.fileio import atomic_output, read_json, sha256_file
+
+# Same metadata form as iree-turbine's ParameterArchiveBuilder, so turbine's ParameterArchive reads it back.
+_METADATA_PREFIX = "PYTORCH:"
+
+
+def _metadata(dtype: str, shape) -> str:
+    return _METADATA_PREFIX + json.dumps({"type": "Tensor", "dtype": dtype, "shape": list(shape)})
+
+
+def read_archive_metadata(irpa: Path) -> dict:
+    """name → {"dtype", "shape", "nbytes"} for every entry of a parameter archive."""
+    import iree.runtime as rt
+
+    index = rt.ParameterIndex()
+    index.load(str(irpa))
+    entries = {}
+    for key, entry in index.items():
+        meta = entry.metadata.decode("utf-8") if entry.metadata else ""
+        info = json.loads(meta[len(_METADATA_PREFIX):]) if meta.startswith(_METADATA_PREFIX) else {}
+        nbytes = len(memoryview(entry.file_view)) if entry.is_file else None
+        entries[key] = {"dtype": info.get("dtype"), "shape": info.get("shape"), "nbytes": nbytes}
+    return entries
+
+
+def build_params(
+    checkpoint: Path,
+    view: dict,
+    record: dict,
+    out_irpa: Path,
+    *,
+    manifest_name: str = "manifest",
+) -> None:
+    import iree.runtime as rt
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    from dsa.spec import DTYPE_NAMES
+
+    expected_sha = view["checkpoint"]["sha256"]
+    actual_sha = sha256_file(checkpoint)
+    if actual_sha != expected_sha:
+        raise DsaError(
+            f"{manifest_name}: checkpoint.sha256",
+            f"checkpoint {checkpoint} has sha256 {actual_sha}, but the manifest pins {expected_sha}",
+            "if this checkpoint is the one you mean to ship, set checkpoint.sha256 to the new digest",
+        )
+    kind = view["quant_scheme"]["kind"]
+    if kind != "none":
+        raise DsaError(f"{manifest_name}: quant_scheme.kind", f"'{kind}' is not implemented by this release",
+                       "use quant_scheme.kind: none")
+
+    try:
+        handle = safe_open(str(checkpoint), framework="pt")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DsaError(str(checkpoint), f"not a readable safetensors file: {e}",
+                       "point checkpoint.path at a .safetensors file") from None
+    wanted = {p["name"]: p for p in record["parameters"]}
+    present = set(handle.keys())
+    missing = sorted(set(wanted) - present)
+    extra = sorted(present - set(wanted))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s) the model needs: {', '.join(missing[:5])}")
+        if extra:
+            parts.append(f"{len(extra)} tensor(s) the model does not have: {', '.join(extra[:5])}")
+        raise DsaError(str(checkpoint), "; ".join(parts),
+                       "use a checkpoint of the same architecture as the manifest's model.config")
+
+    index = rt.ParameterIndex()
+    for name in sorted(wanted):
+        tensor = handle.get_tensor(name)
+        want = wanted[name]
+        dtype = DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+        if list(tensor.shape) != want["shape"] or dtype != want["dtype"]:
+            raise DsaError(
+                f"{checkpoint}: tensor '{name}'",
+                f"has shape {list(tensor.shape)} {dtype}, the exported model expects {want['shape']} {want['dtype']}",
+                "use a checkpoint of the same architecture as the manifest's model.config",
+            )
+        data = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        index.add_buffer(name, data, metadata=_metadata(dtype, tensor.shape))
+    with atomic_output(out_irpa) as tmp:
+        index.create_archive_file(str(tmp))
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="dsa-params", description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--view", required=True, help="the manifest's params view (JSON)")
+    parser.add_argument("--record", required=True, help="the model's export record (JSON)")
+    parser.add_argument("--manifest-name", default="manifest")
+    parser.add_argument("--out", required=True)
+    a = parser.parse_args(argv)
+    build_params(Path(a.checkpoint), read_json(a.view), read_json(a.record), Path(a.out),
+                 manifest_name=a.manifest_name)
+
+
+if __name__ == "__main__":
+    run_cli(main, "dsa-params")

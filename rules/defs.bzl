@@ -1,0 +1,52 @@
+"""Public API of rules_dsa: everything a BUILD file loads comes from here.
+
+    load("@rules_dsa//rules:defs.bzl", "dsa_bucket", "dsa_model", "dsa_vmfb")
+
+Data path (each arrow one action, by mnemonic):
+
+    manifest ──DsaManifest──► views (export · params · bucket · compile · runtime)
+    model code + export view ──DsaExport──► model.mlir + export_record.json
+    checkpoint + params view + export record ──DsaParams──► params.irpa
+    export view + bucket view ──DsaExport──► one static MLIR per bucket
+    MLIR + compile view + target ──DsaCompile──► .vmfb + compile_report.json
+"""
+
+load("@rules_python//python:defs.bzl", "py_binary")
+load("//rules/private:bucket.bzl", _dsa_bucket = "dsa_bucket")
+load("//rules/private:common.bzl", _dsa_target = "dsa_target")
+load("//rules/private:model.bzl", _dsa_checkpoint = "dsa_checkpoint", _dsa_model = "dsa_model")
+load(
+    "//rules/private:providers.bzl",
+    _DsaBucketInfo = "DsaBucketInfo",
+    _DsaModelInfo = "DsaModelInfo",
+    _DsaModuleInfo = "DsaModuleInfo",
+    _DsaTargetInfo = "DsaTargetInfo",
+)
+load("//rules/private:vmfb.bzl", _dsa_vmfb = "dsa_vmfb")
+
+dsa_model = _dsa_model
+dsa_bucket = _dsa_bucket
+dsa_vmfb = _dsa_vmfb
+dsa_target = _dsa_target
+dsa_checkpoint = _dsa_checkpoint
+
+DsaModelInfo = _DsaModelInfo
+DsaBucketInfo = _DsaBucketInfo
+DsaModuleInfo = _DsaModuleInfo
+DsaTargetInfo = _DsaTargetInfo
+
+def dsa_runner(name, module, args = [], **kwargs):
+    """`bazel run :name [-- dsa-run flags]`: runs the compiled policy `module` (a dsa_vmfb) on a sample.
+
+    Prints the action chunk's shape and latency percentiles; see dsa/run.py for its flags."""
+    index = name + "_index"
+    native.filegroup(name = index, srcs = [module], output_group = "index", tags = ["manual"])
+    py_binary(
+        name = name,
+        srcs = [Label("//dsa:run.py")],
+        main = Label("//dsa:run.py"),
+        deps = [Label("//dsa:run")],
+        data = [module, ":" + index],
+        args = ["--index", "$(rootpath :%s)" % index] + args,
+        **kwargs
+    )

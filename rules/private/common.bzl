@@ -1,0 +1,80 @@
+"""Helpers shared by the rules: the Python tools and the manifest-view action."""
+
+load(":providers.bzl", "DsaTargetInfo")
+
+# Every action runs a py_binary of //dsa on the hermetic Python environment. The environment's identity
+# (lock digest, interpreter, installed set) is an explicit input of each, so a toolchain change is a
+# cache miss while a different client environment is not.
+TOOL_ATTRS = {
+    "_manifest_tool": attr.label(default = Label("//dsa:manifest_tool"), executable = True, cfg = "exec"),
+    "_known_targets": attr.label(default = Label("//toolchains/targets:specs"), allow_files = [".json"]),
+    "_toolchain_identity": attr.label(default = Label("@dsa_python//:identity.json"), allow_single_file = True),
+}
+
+# Deterministic, path-free environment for every tool: no user site, fixed hash seed, one thread where a
+# library would otherwise size itself to the machine.
+ACTION_ENV = {
+    "PYTHONHASHSEED": "0",
+    "PYTHONNOUSERSITE": "1",
+    "OMP_NUM_THREADS": "1",
+}
+
+def manifest_view(ctx, manifest, view, out, target = None, bucket = None):
+    """Declares the small DsaManifest action that validates `manifest` and writes one projection."""
+    known = ctx.files._known_targets
+    args = ctx.actions.args()
+    args.add("project")
+    args.add(manifest)
+    args.add("--view", view)
+    args.add("--out", out)
+    if known:
+        args.add("--known-targets-dir", known[0].dirname)
+    if target:
+        args.add("--target", target)
+    if bucket:
+        args.add("--bucket", bucket)
+    ctx.actions.run(
+        executable = ctx.executable._manifest_tool,
+        arguments = [args],
+        inputs = [manifest, ctx.file._toolchain_identity] + known,
+        outputs = [out],
+        mnemonic = "DsaManifest",
+        progress_message = "Validating %s: %s view of %s" % (ctx.label, view, manifest.short_path),
+        env = ACTION_ENV,
+    )
+
+def pythonpath_of(files):
+    """Execroot-relative roots that make each file importable by its workspace-relative module path."""
+    roots = {}
+    for f in files:
+        root = f.root.path
+        if f.owner and f.owner.workspace_root:
+            root = (root + "/" if root else "") + f.owner.workspace_root
+        roots[root or "."] = True
+    return sorted(roots.keys())
+
+def relative_path(path, start):
+    """`path` relative to directory `start` (both workspace-relative short paths)."""
+    p = path.split("/")
+    s = start.split("/") if start else []
+    common = 0
+    for i in range(min(len(p), len(s))):
+        if p[i] != s[i]:
+            break
+        common = i + 1
+    return "/".join([".."] * (len(s) - common) + p[common:])
+
+def _dsa_target_impl(ctx):
+    return [
+        DefaultInfo(files = depset([ctx.file.spec])),
+        DsaTargetInfo(name = ctx.label.name, spec = ctx.file.spec),
+    ]
+
+dsa_target = rule(
+    implementation = _dsa_target_impl,
+    doc = "A compilation target. The rule's name is the name manifests list under `targets`.",
+    attrs = {
+        "spec": attr.label(mandatory = True, allow_single_file = [".json"], doc = "Target spec (JSON)."),
+    },
+    provides = [DsaTargetInfo],
+)

@@ -1,0 +1,130 @@
+"""dsa_model: checkpoint + manifest + model code → exported MLIR, export record and parameter archive."""
+
+load("@rules_python//python:defs.bzl", "PyInfo")
+load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "manifest_view", "pythonpath_of")
+load(":providers.bzl", "DsaModelInfo")
+
+def _model_sources(deps):
+    return depset(transitive = [d[PyInfo].transitive_sources for d in deps])
+
+def _out(ctx, basename):
+    return ctx.actions.declare_file("%s/%s" % (ctx.label.name, basename))
+
+def _dsa_model_impl(ctx):
+    name = ctx.label.name
+    manifest = ctx.file.manifest
+    identity = ctx.file._toolchain_identity
+
+    export_view = _out(ctx, "export_view.json")
+    params_view = _out(ctx, "params_view.json")
+    runtime_view = _out(ctx, "runtime_view.json")
+    manifest_view(ctx, manifest, "export", export_view)
+    manifest_view(ctx, manifest, "params", params_view)
+    manifest_view(ctx, manifest, "runtime", runtime_view)
+
+    sources = _model_sources(ctx.attr.deps)
+    source_list = sources.to_list()
+    mlir = _out(ctx, "model.mlir")
+    record = _out(ctx, "export_record.json")
+    args = ctx.actions.args()
+    args.add("--view", export_view)
+    args.add("--manifest-name", manifest.short_path)
+    args.add_all(pythonpath_of(source_list), before_each = "--pythonpath")
+    args.add_all(source_list, before_each = "--source")
+    args.add("--out-mlir", mlir)
+    args.add("--out-record", record)
+    ctx.actions.run(
+        executable = ctx.executable._export_tool,
+        arguments = [args],
+        inputs = depset([export_view, identity], transitive = [sources]),
+        outputs = [mlir, record],
+        mnemonic = "DsaExport",
+        progress_message = "Exporting %s to torch-dialect MLIR" % ctx.label,
+        env = ACTION_ENV,
+    )
+
+    params = _out(ctx, "params.irpa")
+    args = ctx.actions.args()
+    args.add("--checkpoint", ctx.file.checkpoint)
+    args.add("--view", params_view)
+    args.add("--record", record)
+    args.add("--manifest-name", manifest.short_path)
+    args.add("--out", params)
+    ctx.actions.run(
+        executable = ctx.executable._params_tool,
+        arguments = [args],
+        inputs = [ctx.file.checkpoint, params_view, record, identity],
+        outputs = [params],
+        mnemonic = "DsaParams",
+        progress_message = "Checking %s and writing its parameter archive" % ctx.file.checkpoint.short_path,
+        env = ACTION_ENV,
+    )
+
+    return [
+        DefaultInfo(files = depset([mlir, record, params])),
+        DsaModelInfo(
+            model_id = name,
+            manifest = manifest,
+            export_view = export_view,
+            runtime_view = runtime_view,
+            mlir = mlir,
+            export_record = record,
+            params = params,
+            model_sources = sources,
+            pythonpath = pythonpath_of(source_list),
+        ),
+        OutputGroupInfo(views = depset([export_view, params_view, runtime_view])),
+    ]
+
+dsa_model = rule(
+    implementation = _dsa_model_impl,
+    doc = """Exports a PyTorch policy with its parameters externalised, and archives its checkpoint.
+
+The manifest's `model.entry_point` names the function (in `deps`) that builds the policy; the export
+(DsaExport) reads only the manifest's export view and the model code, the parameter archive (DsaParams)
+only the checkpoint, the params view and the export record. So a new checkpoint of the same architecture
+reruns DsaParams alone.""",
+    attrs = dict(TOOL_ATTRS, **{
+        "manifest": attr.label(mandatory = True, allow_single_file = [".yaml", ".yml"], doc = "Deployment manifest."),
+        "checkpoint": attr.label(mandatory = True, allow_single_file = [".safetensors"], doc = "Checkpoint (safetensors); its sha256 must match the manifest's."),
+        "deps": attr.label_list(providers = [PyInfo], doc = "py_library targets holding the model code."),
+        "_export_tool": attr.label(default = Label("//dsa:export_tool"), executable = True, cfg = "exec"),
+        "_params_tool": attr.label(default = Label("//dsa:params_tool"), executable = True, cfg = "exec"),
+    }),
+    provides = [DsaModelInfo],
+)
+
+def _dsa_checkpoint_impl(ctx):
+    view = ctx.actions.declare_file("%s/export_view.json" % ctx.label.name)
+    manifest_view(ctx, ctx.file.manifest, "export", view)
+    sources = _model_sources(ctx.attr.deps)
+    source_list = sources.to_list()
+    out = ctx.outputs.out
+    args = ctx.actions.args()
+    args.add("--view", view)
+    args.add("--seed", str(ctx.attr.seed))
+    args.add_all(pythonpath_of(source_list), before_each = "--pythonpath")
+    args.add("--out", out)
+    ctx.actions.run(
+        executable = ctx.executable._checkpoint_tool,
+        arguments = [args],
+        inputs = depset([view, ctx.file._toolchain_identity], transitive = [sources]),
+        outputs = [out],
+        mnemonic = "DsaCheckpoint",
+        progress_message = "Generating seeded checkpoint %s" % out.short_path,
+        env = ACTION_ENV,
+    )
+    return [DefaultInfo(files = depset([out]))]
+
+dsa_checkpoint = rule(
+    implementation = _dsa_checkpoint_impl,
+    doc = """A deterministic, seeded checkpoint for the manifest's model (for models whose real weights are
+not at hand). Byte-identical on every machine, so the manifest can pin its sha256 like any checkpoint's.""",
+    attrs = dict(TOOL_ATTRS, **{
+        "manifest": attr.label(mandatory = True, allow_single_file = [".yaml", ".yml"]),
+        "deps": attr.label_list(providers = [PyInfo]),
+        "seed": attr.int(default = 0),
+        "out": attr.output(mandatory = True, doc = "The .safetensors file to write."),
+        "_checkpoint_tool": attr.label(default = Label("//dsa:checkpoint_tool"), executable = True, cfg = "exec"),
+    }),
+)

@@ -1,0 +1,46 @@
+"""Providers of rules_dsa: one per concept, so no rule reaches into another's files by name."""
+
+DsaTargetInfo = provider(
+    doc = "A compilation target (toolchains/targets): device, backends, flags, runtime driver.",
+    fields = {
+        "name": "Target name, as the manifest's `targets` lists it.",
+        "spec": "File: the target spec (JSON) the compile stage reads.",
+    },
+)
+
+DsaModelInfo = provider(
+    doc = "An exported model: MLIR with externalised parameters, its export record, its parameter archive.",
+    fields = {
+        "model_id": "Rule name the artifacts are reported under.",
+        "manifest": "File: the deployment manifest.",
+        "export_view": "File: the manifest's export view (JSON).",
+        "runtime_view": "File: the manifest's runtime view (JSON).",
+        "mlir": "File: torch-dialect MLIR, dynamic dims kept dynamic.",
+        "export_record": "File: the export record (JSON).",
+        "params": "File: the .irpa parameter archive.",
+        "model_sources": "depset of Files: the model code (Python sources).",
+        "pythonpath": "list of str: execroot-relative directories that hold the model code's packages.",
+    },
+)
+
+DsaBucketInfo = provider(
+    doc = "One specialised export per shape bucket of a dynamic dim; all share the model's parameters.",
+    fields = {
+        "model": "DsaModelInfo of the model the buckets specialise.",
+        "dim": "Name of the bucketed dim.",
+        "mlirs": "list of Files: one MLIR per bucket slot, in slot order.",
+        "records": "list of Files: the export record of each slot.",
+    },
+)
+
+DsaModuleInfo = provider(
+    doc = "Compiled modules of one model for one target.",
+    fields = {
+        "model": "DsaModelInfo.",
+        "target": "DsaTargetInfo.",
+        "vmfbs": "list of Files: compiled modules (one per bucket, or one).",
+        "records": "list of Files: the export record of each module.",
+        "reports": "list of Files: the compile report of each module.",
+        "index": "File: the module index the runner loads (JSON).",
+    },
+)

@@ -1,0 +1,31 @@
+"""dsa_py_test: a py_test that runs pytest on its sources."""
+
+# From @rules_python, not `native`: the Python rules are leaving Bazel
+# (autoloaded from rules_python in 8). Under WORKSPACE on Bazel 4.2.3, rules_dsa_dependencies() provides an
+# offline @rules_python whose py_test is the native rule.
+load("@rules_python//python:defs.bzl", "py_test")
+
+_MAIN = Label("//rules/private:pytest_main.py")
+
+def dsa_py_test(name, srcs, deps = [], data = [], args = [], **kwargs):
+    """Runs pytest on `srcs`; fails if a test fails or none is collected.
+
+    Args:
+      name: test target name.
+      srcs: pytest files; each is collected.
+      deps: py_library dependencies.
+      data: files the tests read at run time (from the runfiles tree).
+      args: extra pytest arguments, after the test files.
+      **kwargs: passed to py_test (size, tags, timeout, ...).
+    """
+    py_test(
+        name = name,
+        srcs = srcs + [_MAIN],
+        main = _MAIN,
+        deps = deps,
+        data = data,
+        # The test files go first, as runfiles-relative paths: a test runs in
+        # its workspace's runfiles directory.
+        args = ["$(rootpath %s)" % src for src in srcs] + args,
+        **kwargs
+    )

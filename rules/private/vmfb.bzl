@@ -1,0 +1,81 @@
+"""dsa_vmfb: exported MLIR → IREE .vmfb for one target, plus the module index the runner loads."""
+
+load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "manifest_view", "relative_path")
+load(":providers.bzl", "DsaBucketInfo", "DsaModelInfo", "DsaModuleInfo", "DsaTargetInfo")
+
+def _dsa_vmfb_impl(ctx):
+    name = ctx.label.name
+    target = ctx.attr.target[DsaTargetInfo]
+    src = ctx.attr.src
+    if DsaBucketInfo in src:
+        model = src[DsaBucketInfo].model
+        mlirs = src[DsaBucketInfo].mlirs
+        records = src[DsaBucketInfo].records
+    else:
+        model = src[DsaModelInfo]
+        mlirs = [model.mlir]
+        records = [model.export_record]
+
+    view = ctx.actions.declare_file("%s/compile_view.%s.json" % (name, target.name))
+    manifest_view(ctx, model.manifest, "compile", view, target = target.name)
+
+    vmfbs = []
+    reports = []
+    for mlir in mlirs:
+        stem = "%s/%s" % (name, mlir.basename[:-len(".mlir")])
+        vmfb = ctx.actions.declare_file(stem + ".vmfb")
+        report = ctx.actions.declare_file(stem + ".compile_report.json")
+        args = ctx.actions.args()
+        args.add("--mlir", mlir)
+        args.add("--view", view)
+        args.add("--target", target.spec)
+        args.add("--out", vmfb)
+        args.add("--report", report)
+        ctx.actions.run(
+            executable = ctx.executable._compile_tool,
+            arguments = [args],
+            inputs = [mlir, view, target.spec, ctx.file._toolchain_identity],
+            outputs = [vmfb, report],
+            mnemonic = "DsaCompile",
+            progress_message = "Compiling %s for %s" % (mlir.short_path, target.name),
+            env = ACTION_ENV,
+        )
+        vmfbs.append(vmfb)
+        reports.append(report)
+
+    # The index is analysis-time data (file names only), so it needs no action of its own.
+    index = ctx.actions.declare_file(name + ".modules.json")
+    base = index.short_path.rpartition("/")[0]
+    ctx.actions.write(index, json.encode_indent(struct(
+        format = 1,
+        target = target.name,
+        parameter_archive = relative_path(model.params.short_path, base),
+        parameter_scope = "model",
+        runtime_view = relative_path(model.runtime_view.short_path, base),
+        target_spec = relative_path(target.spec.short_path, base),
+        modules = [
+            struct(vmfb = relative_path(v.short_path, base), record = relative_path(r.short_path, base))
+            for v, r in zip(vmfbs, records)
+        ],
+    )) + "\n")
+
+    files = vmfbs + reports + records + [index, model.params, model.runtime_view, target.spec]
+    return [
+        DefaultInfo(files = depset(files), runfiles = ctx.runfiles(files = files)),
+        DsaModuleInfo(model = model, target = target, vmfbs = vmfbs, records = records, reports = reports, index = index),
+        OutputGroupInfo(index = depset([index])),
+    ]
+
+dsa_vmfb = rule(
+    implementation = _dsa_vmfb_impl,
+    doc = """Compiles a dsa_model (one module) or a dsa_bucket (one module per bucket) for a target.
+
+Flags come from the target spec (toolchains/targets) and the manifest's compile view, plus fixed
+reproducibility flags; the target must be one the manifest lists under `targets`.""",
+    attrs = dict(TOOL_ATTRS, **{
+        "src": attr.label(mandatory = True, providers = [[DsaModelInfo], [DsaBucketInfo]]),
+        "target": attr.label(mandatory = True, providers = [DsaTargetInfo]),
+        "_compile_tool": attr.label(default = Label("//dsa:compile_tool"), executable = True, cfg = "exec"),
+    }),
+    provides = [DsaModuleInfo],
+)

@@ -1,0 +1,345 @@
+"""Tests of dsa.manifest: the reference manifest, projections, and a corpus of malformed manifests.
+
+corpus/*.yaml are manifests/pi0.yaml with one defect each; corpus/expected.json maps each file to the exact
+line the CLI must print on stderr.
+"""
+
+import copy
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from jsonschema import Draft202012Validator
+
+import dsa.manifest
+from dsa.manifest import (
+    SCHEMA,
+    ManifestError,
+    dump_json,
+    explain,
+    load_manifest,
+    project,
+    verify_checkpoint_sha256,
+)
+
+CORPUS = Path(__file__).parent / "corpus"
+EXPECTED = json.loads((CORPUS / "expected.json").read_text(encoding="utf-8"))
+# The directory that contains the dsa package, for CLI subprocesses.
+PACKAGE_ROOT = Path(dsa.manifest.__file__).parent.parent
+KNOWN_TARGETS = {"x86_64-v3"}
+MIN_BUCKET = {"prompt_len": 2}
+
+
+def _reference_manifest() -> Path:
+    """manifests/pi0.yaml, from Bazel runfiles when run under `bazel test`, else from the source tree."""
+    if "TEST_SRCDIR" in os.environ and "TEST_WORKSPACE" in os.environ:
+        return Path(os.environ["TEST_SRCDIR"]) / os.environ["TEST_WORKSPACE"] / "manifests/pi0.yaml"
+    return Path(__file__).resolve().parents[2] / "manifests/pi0.yaml"
+
+
+PI0 = _reference_manifest()
+
+
+@pytest.fixture(scope="module")
+def pi0():
+    return load_manifest(PI0, known_targets=KNOWN_TARGETS, min_bucket=MIN_BUCKET)
+
+
+@pytest.fixture(scope="module")
+def targets_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("targets")
+    (directory / "x86_64-v3.json").write_text("{}\n")
+    return directory
+
+
+def run_cli(*args, cwd=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in sys.path if p])
+    return subprocess.run(
+        [sys.executable, "-m", "dsa.manifest", *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env
+    )
+
+
+def all_views(manifest):
+    """Every projection a build makes of `manifest`: view key → view."""
+    views = {name: project(manifest, name) for name in ("export", "params", "runtime")}
+    for target in manifest["targets"]:
+        views[f"compile:{target}"] = project(manifest, "compile", target=target)
+    for dim, sizes in manifest["buckets"].items():
+        for slot in range(len(sizes)):
+            views[f"bucket:{dim}:{slot}"] = project(manifest, "bucket", bucket=(dim, slot))
+    return views
+
+
+def changed_views(before, after):
+    a, b = all_views(before), all_views(after)
+    return {key for key in a.keys() | b.keys() if a.get(key) != b.get(key)}
+
+
+# --- schema and reference manifest -----------------------------------------------------------------------
+
+
+def test_schema_is_valid_draft_2020_12():
+    Draft202012Validator.check_schema(SCHEMA)
+
+
+def test_every_property_is_described():
+    def walk(schema, where):
+        for name, sub in schema.get("properties", {}).items():
+            assert sub.get("description"), f"{where}.{name} has no description"
+            walk(sub, f"{where}.{name}")
+        for key in ("items", "additionalProperties", "propertyNames"):
+            if isinstance(schema.get(key), dict):
+                assert schema[key].get("description"), f"{where} {key} has no description"
+                walk(schema[key], f"{where}[{key}]")
+
+    walk(SCHEMA, "manifest")
+
+
+def test_reference_manifest_loads(pi0):
+    assert pi0["model_id"] == "pi0"
+    assert pi0["buckets"] == {"prompt_len": [32, 64, 128]}
+    assert [c["name"] for c in pi0["inputs"]["cameras"]] == ["base_rgb", "wrist_rgb"]
+
+
+def test_reference_manifest_cli(targets_dir):
+    result = run_cli("validate", PI0, "--known-targets-dir", targets_dir, "--min-bucket", "prompt_len=2")
+    assert result.returncode == 0, result.stderr
+
+
+def test_extension_fields_are_ignored(tmp_path, pi0):
+    text = PI0.read_text(encoding="utf-8")
+    text = text.replace("model_id: pi0\n", "model_id: pi0\nx-owner: robotics\n")
+    text = text.replace("  kind: none\n", "  kind: none\n  x-note: {anything: [1, 2]}\n")
+    text = text.replace("  prompt_len: [32, 64, 128]\n", "  prompt_len: [32, 64, 128]\n  x-planned: [256]\n")
+    path = tmp_path / "ext.yaml"
+    path.write_text(text, encoding="utf-8")
+    assert load_manifest(path) == pi0
+
+
+def test_newer_minor_version_without_new_fields_loads(tmp_path, pi0):
+    path = tmp_path / "minor.yaml"
+    path.write_text(PI0.read_text(encoding="utf-8").replace('"1.0.0"', '"1.4.2"'), encoding="utf-8")
+    assert load_manifest(path)["model_id"] == pi0["model_id"]
+
+
+def test_python_tag_is_never_executed(tmp_path):
+    marker = tmp_path / "executed"
+    path = tmp_path / "evil.yaml"
+    path.write_text(
+        PI0.read_text(encoding="utf-8") + f'x-evil: !!python/object/apply:os.system ["touch {marker}"]\n',
+        encoding="utf-8",
+    )
+    with pytest.raises(ManifestError, match="python/object/apply:os.system' is not allowed"):
+        load_manifest(path)
+    assert not marker.exists()
+
+
+# --- projections -------------------------------------------------------------------------------------------
+
+
+def test_views(pi0):
+    assert project(pi0, "export") == {
+        "schema_major": 1,
+        "model_id": "pi0",
+        "framework": "pytorch",
+        "model": pi0["model"],
+        "inputs": pi0["inputs"],
+        "outputs": pi0["outputs"],
+        "chunk_size": 16,
+        "bucket_dims": ["prompt_len"],
+    }
+    assert project(pi0, "params") == {
+        "model_id": "pi0",
+        "checkpoint": pi0["checkpoint"],
+        "quant_scheme": {"kind": "none"},
+    }
+    assert project(pi0, "compile", target="x86_64-v3") == {
+        "model_id": "pi0",
+        "quant_scheme": {"kind": "none"},
+        "target": "x86_64-v3",
+    }
+    assert project(pi0, "bucket", bucket=("prompt_len", 1)) == {
+        "dim": "prompt_len",
+        "slot": 1,
+        "size": 64,
+        "count": 3,
+    }
+    runtime = project(pi0, "runtime")
+    assert runtime["power_profile"] == "balanced"
+    assert runtime["normalization"] == {"stats": "pi0_norm_stats.json"}
+
+
+def test_power_profile_changes_only_runtime(pi0):
+    changed = copy.deepcopy(pi0)
+    changed["power_profile"] = "efficiency"
+    assert changed_views(pi0, changed) == {"runtime"}
+
+
+def test_bucket_size_changes_only_its_slot(pi0):
+    changed = copy.deepcopy(pi0)
+    changed["buckets"]["prompt_len"][1] = 96
+    # The runtime view carries the bucket table, so it changes too; the export and other slots do not.
+    assert changed_views(pi0, changed) == {"bucket:prompt_len:1", "runtime"}
+
+
+def test_sha256_changes_only_params(pi0):
+    changed = copy.deepcopy(pi0)
+    changed["checkpoint"]["sha256"] = "f" * 64
+    assert changed_views(pi0, changed) == {"params"}
+
+
+def _mutations():
+    """Top-level field → a change to it (views are not validated, so any change will do)."""
+
+    def set_(field, value):
+        def mutate(m):
+            m[field] = value
+
+        return mutate
+
+    def update(field, key, value):
+        def mutate(m):
+            m[field][key] = value
+
+        return mutate
+
+    return {
+        "schema_version": set_("schema_version", "2.0.0"),
+        "model_id": set_("model_id", "pi1"),
+        "framework": set_("framework", "lerobot"),
+        "model": update("model", "entry_point", "models.other:export_spec"),
+        "checkpoint": update("checkpoint", "path", "other.safetensors"),
+        "inputs": update("inputs", "state", {"dim": 7}),
+        "outputs": update("outputs", "action", {"dim": 7}),
+        "chunk_size": set_("chunk_size", 32),
+        "n_action_steps": set_("n_action_steps", 4),
+        "flow_steps": set_("flow_steps", 20),
+        "buckets": update("buckets", "image_len", [8]),
+        "quant_scheme": set_("quant_scheme", {"kind": "int8"}),
+        "targets": set_("targets", ["x86_64-v3", "arm64"]),
+        "power_profile": set_("power_profile", "performance"),
+        "normalization": set_("normalization", {"stats": "other.json"}),
+    }
+
+
+def test_explain_matches_projections(pi0):
+    mutations = _mutations()
+    explained = explain(pi0)
+    assert [field for field, _ in explained] == list(mutations)
+    for field, views in explained:
+        changed = copy.deepcopy(pi0)
+        mutations[field](changed)
+        assert {key.split(":")[0] for key in changed_views(pi0, changed)} == set(views), field
+
+
+def test_compile_view_refuses_unlisted_target(pi0):
+    with pytest.raises(ManifestError) as err:
+        project(pi0, "compile", target="arm64")
+    assert err.value.field == "targets"
+    assert "target 'arm64' is not one of the manifest's targets (x86_64-v3)" in str(err.value)
+
+
+def test_bucket_view_refuses_missing_slot(pi0):
+    with pytest.raises(ManifestError) as err:
+        project(pi0, "bucket", bucket=("prompt_len", 3))
+    assert str(err.value) == (
+        "buckets.prompt_len: no bucket slot 3: the manifest lists 3 buckets for prompt_len "
+        "(use a slot from 0 to 2)"
+    )
+    with pytest.raises(ManifestError, match="no buckets for dim 'image_len'; bucketed dims: prompt_len"):
+        project(pi0, "bucket", bucket=("image_len", 0))
+
+
+@pytest.mark.parametrize(
+    "view, kwargs",
+    [("nope", {}), ("compile", {}), ("export", {"target": "x86_64-v3"}), ("bucket", {}),
+     ("runtime", {"bucket": ("prompt_len", 0)})],
+)
+def test_project_misuse_is_a_value_error(pi0, view, kwargs):
+    with pytest.raises(ValueError):
+        project(pi0, view, **kwargs)
+
+
+def test_dump_json_is_canonical_and_atomic(tmp_path):
+    out = tmp_path / "view.json"
+    dump_json({"b": [1, 2], "a": "π"}, out)
+    assert out.read_text(encoding="utf-8") == '{\n  "a": "π",\n  "b": [\n    1,\n    2\n  ]\n}\n'
+    with pytest.raises(ValueError):
+        dump_json({"nan": float("nan")}, out)
+    assert out.read_text(encoding="utf-8").startswith('{\n  "a"')  # the old content survives a failed write
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["view.json"]  # no temporary files left behind
+
+
+# --- command line ------------------------------------------------------------------------------------------
+
+
+def test_cli_project_writes_the_view(tmp_path, pi0):
+    out = tmp_path / "bucket.json"
+    result = run_cli("project", PI0, "--view", "bucket", "--bucket", "prompt_len:2", "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text(encoding="utf-8")) == project(pi0, "bucket", bucket=("prompt_len", 2))
+
+
+def test_cli_project_error_leaves_no_output(tmp_path):
+    out = tmp_path / "compile.json"
+    out.write_text("stale\n")
+    result = run_cli("project", PI0, "--view", "compile", "--target", "arm64", "--out", out)
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"{PI0}: targets: target 'arm64' is not one of the manifest's targets (x86_64-v3) "
+        "(add it to targets, or compile for a listed one)\n"
+    )
+    assert not out.exists()
+
+
+def test_cli_explain():
+    result = run_cli("explain", PI0)
+    assert result.returncode == 0, result.stderr
+    assert "power_profile: runtime\n" in result.stdout
+    assert "buckets: export, bucket, runtime\n" in result.stdout
+
+
+def test_corpus_is_complete():
+    assert len(EXPECTED) >= 30
+    assert sorted(EXPECTED) == sorted(p.name for p in CORPUS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_corpus(name, targets_dir):
+    result = run_cli(
+        "validate", name, "--known-targets-dir", targets_dir, "--min-bucket", "prompt_len=2", cwd=CORPUS
+    )
+    assert "Traceback" not in result.stderr
+    assert result.returncode == 2
+    assert result.stderr == EXPECTED[name] + "\n"
+
+
+# --- checkpoint --------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_sha256(tmp_path, pi0):
+    checkpoint = tmp_path / "pi0.safetensors"
+    checkpoint.write_bytes(b"weights")
+    actual = hashlib.sha256(b"weights").hexdigest()
+    with pytest.raises(ManifestError) as err:
+        verify_checkpoint_sha256(pi0, PI0, checkpoint)
+    assert err.value.field == "checkpoint.sha256"
+    assert str(err.value) == (
+        f"{PI0}: checkpoint.sha256: checkpoint {checkpoint} has sha256 {actual}, "
+        f"the manifest expects {pi0['checkpoint']['sha256']} "
+        f"(if this checkpoint is intended, set checkpoint.sha256 to {actual}; "
+        "otherwise restore the checkpoint the manifest pins)"
+    )
+    matching = copy.deepcopy(pi0)
+    matching["checkpoint"]["sha256"] = actual
+    verify_checkpoint_sha256(matching, PI0, checkpoint)
+
+
+def test_missing_checkpoint(tmp_path, pi0):
+    with pytest.raises(ManifestError, match="checkpoint.path: cannot read checkpoint"):
+        verify_checkpoint_sha256(pi0, PI0, tmp_path / "absent.safetensors")
