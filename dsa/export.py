@@ -17,6 +17,7 @@ import argparse
 import collections
 import dataclasses
 import importlib
+import inspect
 import re
 import sys
 from pathlib import Path
@@ -125,6 +126,17 @@ def _dynamic_shapes(inputs: Sequence[InputSpec], minimums: Dict[str, int]):
     return tuple({axis: objects[name] for axis, name in s.dynamic.items()} or None for s in inputs)
 
 
+def _for_signature(module, dynamic):
+    """torch.export wants dynamic_shapes shaped like forward's parameters: a `*args` forward takes the
+    per-input specs as one tuple."""
+    if dynamic is None:
+        return None
+    params = inspect.signature(module.forward).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return (dynamic,)
+    return dynamic
+
+
 def export_model(
     view: dict,
     out_mlir: Path,
@@ -184,7 +196,7 @@ def export_model(
     try:
         with torch.no_grad():
             exported = torch.export.export(
-                module, args, dynamic_shapes=(dynamic,) if dynamic else None, strict=False
+                module, args, dynamic_shapes=_for_signature(module, dynamic), strict=False
             )
     except Exception as e:  # torch reports guard failures, unsupported Python, ... with long texts.
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

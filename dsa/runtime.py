@@ -94,7 +94,9 @@ class CompiledPolicy:
     def _invoker(self, module: Module):
         if module._invoker is None:
             rt = self._rt
-            vm_module = rt.VmModule.mmap(self._instance, str(module.vmfb))
+            # Copied, not mmapped: VmModule.mmap maps the file writable, which fails on read-only
+            # locations such as Bazel's runfiles.
+            vm_module = rt.VmModule.copy_buffer(self._instance, module.vmfb.read_bytes())
             context = rt.VmContext(self._instance, modules=[self._hal_module, self._param_module, vm_module])
             function = vm_module.lookup_function(module.record["function"])
             module._invoker = rt.FunctionInvoker(context, self._device, function)

@@ -40,7 +40,7 @@ def _dsa_bucket_impl(ctx):
         mlirs.append(mlir)
         records.append(record)
     return [
-        DefaultInfo(files = depset(mlirs + records)),
+        DefaultInfo(files = depset(mlirs + records), runfiles = ctx.runfiles(files = mlirs + records)),
         DsaBucketInfo(model = model, dim = dim, mlirs = mlirs, records = records),
     ]
 

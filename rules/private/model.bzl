@@ -61,7 +61,7 @@ def _dsa_model_impl(ctx):
     )
 
     return [
-        DefaultInfo(files = depset([mlir, record, params])),
+        DefaultInfo(files = depset([mlir, record, params]), runfiles = ctx.runfiles(files = [mlir, record, params])),
         DsaModelInfo(
             model_id = name,
             manifest = manifest,

@@ -1,0 +1,183 @@
+"""Unit tests of the stage tools, called as functions (no Bazel): each bad input is refused with a message
+naming the file and field, tensor or op at fault, and leaves no output behind."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from dsa.compile import compile_module
+from dsa.errors import DsaError
+from dsa.export import export_model
+from dsa.fileio import read_json, sha256_file
+from dsa.params import build_params, read_archive_metadata
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, pi0_manifest):
+    import copy
+
+    from dsa.manifest import project
+
+    view = copy.deepcopy(project(pi0_manifest, "export"))
+    view["model"] = {"entry_point": "tiny_models:pooled", "config": {"width": 8}}
+    out = tmp_path_factory.mktemp("export")
+    record = export_model(view, out / "m.mlir", out / "m.json")
+    return view, out, record
+
+
+def _checkpoint(path, record, transform=None):
+    rng = np.random.default_rng(0)
+    tensors = {p["name"]: rng.standard_normal(p["shape"]).astype(np.float32) for p in record["parameters"]}
+    if transform:
+        transform(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
+def _params_view(path):
+    return {"model_id": "tiny", "checkpoint": {"path": path.name, "sha256": sha256_file(path)},
+            "quant_scheme": {"kind": "none"}}
+
+
+def test_export_record_names_every_parameter_and_the_dynamic_dim(exported):
+    view, out, record = exported
+    assert {p["name"] for p in record["parameters"]} == {"embed.weight", "embed.bias", "head.weight", "head.bias"}
+    assert record["dynamic_dims"] == {"seq_len": {"min": 2, "max": 65536}}
+    assert record["inputs"][0]["shape"] == [1, "seq_len", 4]
+    mlir = (out / "m.mlir").read_text()
+    assert '#flow.parameter.named<"model"::"head.weight">' in mlir
+    assert "dense_resource" not in mlir  # no weight values inlined
+
+
+def test_export_is_deterministic(exported, tmp_path):
+    view, out, _ = exported
+    export_model(view, tmp_path / "again.mlir", tmp_path / "again.json")
+    assert (tmp_path / "again.mlir").read_bytes() == (out / "m.mlir").read_bytes()
+    assert (tmp_path / "again.json").read_bytes() == (out / "m.json").read_bytes()
+
+
+def test_bucket_export_is_static_and_checked_against_the_model_record(exported, tmp_path):
+    view, _, record = exported
+    bucket = export_model(view, tmp_path / "b.mlir", tmp_path / "b.json",
+                          bucket={"dim": "seq_len", "size": 8, "slot": 0}, reference_record=record)
+    assert bucket["inputs"][0]["shape"] == [1, 8, 4]
+    assert bucket["bucket"] == {"dim": "seq_len", "size": 8, "slot": 0}
+
+
+def test_bucket_below_model_minimum_is_refused(exported, tmp_path):
+    view, _, _ = exported
+    with pytest.raises(DsaError, match=r"buckets\.seq_len\[0\].*below the model's minimum 2"):
+        export_model(view, tmp_path / "b.mlir", tmp_path / "b.json", bucket={"dim": "seq_len", "size": 1, "slot": 0})
+    assert not (tmp_path / "b.mlir").exists()
+
+
+def test_unsupported_op_is_named_with_its_module_path(tiny_view, tmp_path):
+    tiny_view["model"]["entry_point"] = "tiny_models:eig"
+    with pytest.raises(DsaError) as err:
+        export_model(tiny_view, tmp_path / "e.mlir", tmp_path / "e.json")
+    assert "unsupported op" in str(err.value) and "linalg_eig" in str(err.value)
+    assert "solver" in str(err.value)
+    assert not (tmp_path / "e.mlir").exists()
+
+
+def test_unimportable_entry_point_names_the_field(tiny_view, tmp_path):
+    tiny_view["model"]["entry_point"] = "no_such_package.models:build"
+    with pytest.raises(DsaError, match=r"model\.entry_point: cannot import 'no_such_package\.models'"):
+        export_model(tiny_view, tmp_path / "e.mlir", tmp_path / "e.json")
+
+
+def test_params_archive_holds_every_tensor_with_shape_and_dtype(exported, tmp_path):
+    _, _, record = exported
+    ckpt = _checkpoint(tmp_path / "c.safetensors", record)
+    build_params(ckpt, _params_view(ckpt), record, tmp_path / "p.irpa")
+    meta = read_archive_metadata(tmp_path / "p.irpa")
+    assert meta["head.weight"]["shape"] == [2, 11] and meta["head.weight"]["dtype"] == "float32"
+    build_params(ckpt, _params_view(ckpt), record, tmp_path / "p2.irpa")
+    assert (tmp_path / "p.irpa").read_bytes() == (tmp_path / "p2.irpa").read_bytes()
+
+
+def test_checkpoint_sha256_mismatch_is_refused_and_writes_nothing(exported, tmp_path):
+    _, _, record = exported
+    ckpt = _checkpoint(tmp_path / "c.safetensors", record)
+    view = _params_view(ckpt)
+    view["checkpoint"]["sha256"] = "0" * 64
+    with pytest.raises(DsaError, match=r"checkpoint\.sha256: checkpoint .* has sha256 [0-9a-f]{64}, but the manifest pins 0{64}"):
+        build_params(ckpt, view, record, tmp_path / "p.irpa")
+    assert list(tmp_path.glob("p.irpa*")) == []
+
+
+def test_transposed_tensor_is_refused_by_name(exported, tmp_path):
+    _, _, record = exported
+    ckpt = _checkpoint(tmp_path / "c.safetensors", record,
+                       lambda t: t.update({"head.weight": np.ascontiguousarray(t["head.weight"].T)}))
+    with pytest.raises(DsaError, match=r"tensor 'head\.weight'.*shape \[11, 2\] float32, the exported model expects \[2, 11\]"):
+        build_params(ckpt, _params_view(ckpt), record, tmp_path / "p.irpa")
+    assert list(tmp_path.glob("p.irpa*")) == []
+
+
+def test_missing_and_extra_tensors_are_listed(exported, tmp_path):
+    _, _, record = exported
+    def edit(t):
+        t.pop("embed.bias")
+        t["decoder.weight"] = np.zeros((2, 2), np.float32)
+    ckpt = _checkpoint(tmp_path / "c.safetensors", record, edit)
+    with pytest.raises(DsaError, match=r"missing 1 tensor\(s\) the model needs: embed\.bias; 1 tensor\(s\) the model does not have: decoder\.weight"):
+        build_params(ckpt, _params_view(ckpt), record, tmp_path / "p.irpa")
+
+
+def test_not_a_safetensors_file_is_refused(exported, tmp_path):
+    _, _, record = exported
+    bad = tmp_path / "c.safetensors"
+    bad.write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(DsaError, match="not a readable safetensors file"):
+        build_params(bad, _params_view(bad), record, tmp_path / "p.irpa")
+
+
+def test_compile_refuses_host_cpu(exported, target_spec, tmp_path):
+    _, out, _ = exported
+    spec = dict(target_spec, flags=["--iree-llvmcpu-target-cpu=host"])
+    view = {"model_id": "tiny", "quant_scheme": {"kind": "none"}, "target": spec["name"]}
+    with pytest.raises(DsaError, match="build machine's own CPU"):
+        compile_module(out / "m.mlir", view, spec, tmp_path / "m.vmfb")
+    assert not (tmp_path / "m.vmfb").exists()
+
+
+def test_compile_is_reproducible_and_reports_dispatches(exported, target_spec, tmp_path):
+    _, out, _ = exported
+    view = {"model_id": "tiny", "quant_scheme": {"kind": "none"}, "target": target_spec["name"]}
+    report = compile_module(out / "m.mlir", view, target_spec, tmp_path / "a.vmfb", tmp_path / "a.json")
+    compile_module(out / "m.mlir", view, target_spec, tmp_path / "b.vmfb")
+    assert (tmp_path / "a.vmfb").read_bytes() == (tmp_path / "b.vmfb").read_bytes()
+    assert report["dispatch_count"] >= 1 and "--iree-llvmcpu-target-cpu=x86-64-v3" in report["flags"]
+    assert read_json(tmp_path / "a.json")["vmfb_sha256"] == sha256_file(tmp_path / "a.vmfb")
+
+
+def test_compiler_failure_leaves_no_vmfb(target_spec, tmp_path):
+    bad = tmp_path / "bad.mlir"
+    bad.write_text("func.func @main( {")
+    view = {"model_id": "tiny", "quant_scheme": {"kind": "none"}, "target": target_spec["name"]}
+    with pytest.raises(DsaError, match="iree-compile failed"):
+        compile_module(bad, view, target_spec, tmp_path / "bad.vmfb")
+    assert list(tmp_path.glob("bad.vmfb*")) == []
+
+
+def test_cli_reports_error_without_traceback(exported, tmp_path):
+    _, _, record = exported
+    ckpt = _checkpoint(tmp_path / "c.safetensors", record)
+    view = _params_view(ckpt)
+    view["checkpoint"]["sha256"] = "f" * 64
+    (tmp_path / "view.json").write_text(json.dumps(view))
+    (tmp_path / "rec.json").write_text(json.dumps(record))
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsa.params", "--checkpoint", str(ckpt), "--view", str(tmp_path / "view.json"),
+         "--record", str(tmp_path / "rec.json"), "--manifest-name", "manifests/tiny.yaml",
+         "--out", str(tmp_path / "p.irpa")],
+        capture_output=True, text=True, env={"PYTHONPATH": ":".join(sys.path)},
+    )
+    assert proc.returncode == 2
+    assert "manifests/tiny.yaml: checkpoint.sha256" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "p.irpa").exists()
