@@ -1,0 +1,114 @@
+"""dsa-compile: the whole pipeline without Bazel, for users not on Bazel yet.
+
+    python -m dsa.pipeline --manifest manifests/pi0.yaml --out out/pi0 [--checkpoint FILE | --seeded-checkpoint 0]
+
+Runs the same stage functions the Bazel rules run, in the same order: manifest views → export → parameter
+archive → one export per shape bucket → compile for every target the manifest lists → module index. It
+has no cache: every run does all the work (that is what Bazel adds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import List, Optional
+
+from dsa.checkpoint import make_checkpoint
+from dsa.compile import compile_module
+from dsa.errors import DsaError, run_cli
+from dsa.export import export_model
+from dsa.fileio import read_json, write_json_atomic
+from dsa.manifest import load_manifest, project
+from dsa.params import build_params
+
+
+def run_pipeline(
+    manifest_path: Path,
+    out: Path,
+    *,
+    targets_dir: Path,
+    checkpoint: Optional[Path] = None,
+    seeded_checkpoint: Optional[int] = None,
+    pythonpath: List[str] = (),
+) -> Path:
+    """Builds every artifact of the manifest's model into `out`; returns the module index of each target."""
+    known = sorted(p.stem for p in targets_dir.glob("*.json"))
+    manifest = load_manifest(manifest_path, known_targets=known)
+    name = str(manifest_path)
+    views = out / "views"
+    export_view = project(manifest, "export")
+    write_json_atomic(views / "export_view.json", export_view)
+    params_view = project(manifest, "params")
+    write_json_atomic(views / "params_view.json", params_view)
+    write_json_atomic(out / "runtime_view.json", project(manifest, "runtime"))
+
+    if checkpoint is None:
+        checkpoint = manifest_path.parent / manifest["checkpoint"]["path"]
+        if seeded_checkpoint is not None:
+            checkpoint = out / "checkpoint.safetensors"
+            make_checkpoint(export_view, checkpoint, seed=seeded_checkpoint, pythonpath=pythonpath)
+    if not checkpoint.exists():
+        raise DsaError(f"{name}: checkpoint.path", f"no checkpoint at {checkpoint}",
+                       "pass --checkpoint FILE, or --seeded-checkpoint SEED for a generated stand-in")
+
+    record = export_model(export_view, out / "model.mlir", out / "export_record.json",
+                          pythonpath=pythonpath, manifest_name=name)
+    build_params(checkpoint, params_view, record, out / "params.irpa", manifest_name=name)
+
+    sources = []  # (mlir, record) per module
+    for dim, sizes in sorted(manifest["buckets"].items()):
+        for slot in range(len(sizes)):
+            stem = out / "buckets" / f"{dim}_{slot}"
+            bucket = project(manifest, "bucket", bucket=(dim, slot))
+            export_model(export_view, stem.with_suffix(".mlir"), stem.with_suffix(".export_record.json"),
+                         bucket=bucket, reference_record=record, pythonpath=pythonpath, manifest_name=name)
+            sources.append((stem.with_suffix(".mlir"), stem.with_suffix(".export_record.json")))
+    if not sources:
+        sources.append((out / "model.mlir", out / "export_record.json"))
+
+    indexes = []
+    for target_name in manifest["targets"]:
+        target = read_json(targets_dir / f"{target_name}.json")
+        compile_view = project(manifest, "compile", target=target_name)
+        modules = []
+        for mlir, module_record in sources:
+            vmfb = out / target_name / (mlir.stem + ".vmfb")
+            compile_module(mlir, compile_view, target, vmfb, vmfb.with_suffix(".compile_report.json"),
+                           where=f"{mlir} for target {target_name}")
+            modules.append({"vmfb": os.path.relpath(vmfb, out), "record": os.path.relpath(module_record, out)})
+        target_copy = out / target_name / f"{target_name}.json"
+        write_json_atomic(target_copy, target)
+        index = out / f"{target_name}.modules.json"
+        write_json_atomic(index, {
+            "format": 1,
+            "target": target_name,
+            "target_spec": os.path.relpath(target_copy, out),
+            "parameter_archive": "params.irpa",
+            "parameter_scope": record["parameter_scope"],
+            "runtime_view": "runtime_view.json",
+            "modules": modules,
+        })
+        indexes.append(index)
+    return indexes
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="dsa-compile", description=__doc__.splitlines()[0])
+    parser.add_argument("--manifest", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--checkpoint", type=Path, help="default: checkpoint.path, relative to the manifest")
+    parser.add_argument("--seeded-checkpoint", type=int, metavar="SEED",
+                        help="generate the seeded stand-in checkpoint (as dsa_checkpoint does)")
+    parser.add_argument("--targets-dir", type=Path, default=Path("toolchains/targets"))
+    parser.add_argument("--pythonpath", action="append", default=None,
+                        help="directory holding the model code (default: the current directory)")
+    a = parser.parse_args(argv)
+    indexes = run_pipeline(a.manifest, a.out, targets_dir=a.targets_dir, checkpoint=a.checkpoint,
+                           seeded_checkpoint=a.seeded_checkpoint, pythonpath=a.pythonpath or ["."])
+    for index in indexes:
+        print(f"dsa-compile: wrote {index}")
+
+
+if __name__ == "__main__":
+    run_cli(main, "dsa-compile")
