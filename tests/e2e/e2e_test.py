@@ -1,0 +1,388 @@
+"""End-to-end test: a user's workspace that uses rules_dsa as an external repository, built by a real Bazel.
+
+The session fixture copies the rule set (//:rules_dsa_files, from the runfiles, as real files) and the
+workspace template (workspace/: a tiny policy, its manifest and a BUILD loading @rules_dsa) into $TEST_TMPDIR,
+and runs /usr/bin/bazel there in its own output root, so nothing is shared with the Bazel running this test.
+The first nested build creates the Python environment (pip) and runs every action; the tests after it reuse
+that output root. Each test that edits the workspace restores it afterwards.
+
+Which actions ran is read from `--execution_log_json_file`: an action that Bazel found up to date spawns
+nothing and is not in the log.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import pwd
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Counter, Dict, List, Optional
+
+import pytest
+
+RUNFILES = Path(os.environ["TEST_SRCDIR"]) / os.environ["TEST_WORKSPACE"]
+TEMPLATE = RUNFILES / "tests" / "e2e" / "workspace"
+BAZEL = shutil.which("bazel") or "/usr/bin/bazel"
+
+# Template files stored under another name, so that this repository's Bazel sees no nested package or
+# workspace in tests/e2e/workspace.
+TEMPLATE_NAMES = {"WORKSPACE.in": "WORKSPACE", "BUILD.in": "BUILD.bazel", "bazelrc.in": ".bazelrc"}
+PLACEHOLDER = "@RULES_DSA@"
+
+TARGET = "//:tiny"
+BUCKETS = [4, 8]
+# The sha256 tiny.yaml pins: the seeded checkpoint dsa_checkpoint writes, byte-identical on every machine.
+PINNED_SHA = re.search(r'sha256: "([0-9a-f]{64})"', (TEMPLATE / "tiny.yaml").read_text()).group(1)
+# The rule set as tracked in git: these directories and root files (checked against //:rules_dsa_files).
+RULE_SET_DIRS = ["dsa", "rules", "toolchains"]
+RULE_SET_ROOT_FILES = [
+    "BUILD.bazel", "MODULE.bazel", "WORKSPACE.bazel", "WORKSPACE.bzlmod", "requirements.in",
+    "requirements_lock.txt",
+]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def read_execution_log(path: Path) -> List[dict]:
+    """The entries of a `--execution_log_json_file`: concatenated JSON objects, not a JSON list."""
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    entries, pos = [], 0
+    while True:
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if pos == len(text):
+            return entries
+        entry, pos = decoder.raw_decode(text, pos)
+        entries.append(entry)
+
+
+def executed_mnemonics(log: List[dict]) -> Counter[str]:
+    """Mnemonic → number of spawns that actually ran (not served from a cache)."""
+    return collections.Counter(e.get("mnemonic", "?") for e in log if not e.get("cacheHit", False))
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _client_env(home: Path) -> Dict[str, str]:
+    """The environment of the nested Bazel client: a user's shell, reduced to what matters.
+
+    python3.11 on PATH (the interpreter this test's venv was made from), as dsa_python_env looks it up; the
+    machine's pip configuration (the user's pip.conf, PIP_* variables, proxies), which dsa_python_env applies
+    as is. HOME is a fresh directory: no ~/.bazelrc, no caches of earlier runs.
+    """
+    base = Path(sys._base_executable).parent
+    if not (base / "python3.11").exists():
+        base = Path(sys.base_prefix) / "bin"
+    user = pwd.getpwuid(os.getuid())
+    env = {
+        "PATH": os.pathsep.join([str(base), "/usr/local/bin", "/usr/bin", "/bin"]),
+        "HOME": str(home),
+        "USER": user.pw_name,
+        "LANG": "C.UTF-8",
+    }
+    for key, value in os.environ.items():
+        if key.startswith("PIP_") or key == "DSA_PYTHON" or key.lower() in ("http_proxy", "https_proxy", "no_proxy"):
+            env[key] = value
+    if "PIP_CONFIG_FILE" not in env:
+        real_home = Path(user.pw_dir)
+        for candidate in (real_home / ".config" / "pip" / "pip.conf", real_home / ".pip" / "pip.conf"):
+            if candidate.is_file():
+                env["PIP_CONFIG_FILE"] = str(candidate)
+                break
+    return env
+
+
+def _rmtree(path: Path) -> None:
+    """rmtree that also removes Bazel's read-only outputs."""
+
+    def make_writable_and_retry(func, p, _exc):
+        os.chmod(os.path.dirname(p), stat.S_IRWXU)
+        if os.path.lexists(p) and not os.path.islink(p):
+            os.chmod(p, stat.S_IRWXU)
+        func(p)
+
+    if path.exists():
+        shutil.rmtree(path, onerror=make_writable_and_retry)
+
+
+class Workspace:
+    """The user workspace in $TEST_TMPDIR and the Bazel that builds it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.rules_dsa = root / "rules_dsa"
+        self.path = root / "ws"
+        self.bin = self.path / "bazel-bin"
+        self.output_user_root = root / "output_root"
+        self.logs = root / "logs"
+        self.logs.mkdir(parents=True)
+        home = root / "home"
+        home.mkdir()
+        self.env = _client_env(home)
+        self.timings: List[tuple] = []
+        self._builds = 0
+
+    def bazel(self, *args: str, expect_ok: Optional[bool] = True, timeout: int = 3000) -> subprocess.CompletedProcess:
+        """Runs `bazel ARGS` in the workspace; fails the test unless it succeeds (or fails, for expect_ok=False)."""
+        command = [
+            BAZEL,
+            f"--output_user_root={self.output_user_root}",
+            "--nohome_rc",
+            # A safety net: the fixture shuts the server down, but never leave one behind for long.
+            "--max_idle_secs=600",
+            *args,
+        ]
+        start = time.monotonic()
+        proc = subprocess.run(command, cwd=self.path, env=self.env, capture_output=True, text=True, timeout=timeout)
+        self.timings.append((" ".join(args[:1]), proc.returncode, time.monotonic() - start))
+        if expect_ok is not None and (proc.returncode == 0) != expect_ok:
+            raise AssertionError(
+                f"`bazel {' '.join(args)}` exited {proc.returncode}, expected "
+                f"{'success' if expect_ok else 'failure'}\n--- stderr (tail) ---\n{proc.stderr[-8000:]}"
+            )
+        return proc
+
+    def build(self, *targets: str, expect_ok: Optional[bool] = True):
+        """`bazel build` with an execution log; returns (CompletedProcess, log entries)."""
+        self._builds += 1
+        log = self.logs / f"build{self._builds}.json"
+        proc = self.bazel(
+            "build", "--color=no", "--curses=no", f"--execution_log_json_file={log}",
+            *(targets or (TARGET,)), expect_ok=expect_ok,
+        )
+        entries = read_execution_log(log)
+        ran = executed_mnemonics(entries)
+        self.timings[-1] += (" ".join(f"{m}x{n}" for m, n in sorted(ran.items())) or "nothing ran",)
+        return proc, entries
+
+    # Outputs of //:tiny and the targets under it.
+    @property
+    def vmfbs(self) -> List[Path]:
+        return [self.bin / "tiny" / f"seq_len_{slot}.vmfb" for slot in range(len(BUCKETS))]
+
+    @property
+    def irpa(self) -> Path:
+        return self.bin / "tiny_model" / "params.irpa"
+
+    @property
+    def model_mlir(self) -> Path:
+        return self.bin / "tiny_model" / "model.mlir"
+
+    @property
+    def index(self) -> Path:
+        return self.bin / "tiny.modules.json"
+
+
+def _install_rule_set(dest: Path) -> None:
+    """Copies //:rules_dsa_files out of the runfiles, as real files (the runfiles are symlinks)."""
+    for dirpath, dirnames, filenames in os.walk(RUNFILES):
+        rel = Path(dirpath).relative_to(RUNFILES)
+        # Skip this test's own files and external/ (Bazel's legacy runfiles copy of the Python toolchain).
+        if rel.parts[:1] in (("tests",), ("external",)):
+            dirnames[:] = []
+            continue
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        (dest / rel).mkdir(parents=True, exist_ok=True)
+        for name in filenames:
+            shutil.copy2(Path(dirpath) / name, dest / rel / name)  # follows the symlink
+
+
+def _install_workspace(dest: Path, rules_dsa: Path) -> None:
+    for src in sorted(TEMPLATE.rglob("*")):
+        if src.is_dir() or "__pycache__" in src.parts:
+            continue
+        rel = src.relative_to(TEMPLATE)
+        target = dest / rel.parent / TEMPLATE_NAMES.get(rel.name, rel.name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(src.read_bytes().replace(PLACEHOLDER.encode(), str(rules_dsa).encode()))
+
+
+@pytest.fixture(scope="session")
+def ws(request):
+    root = Path(os.environ["TEST_TMPDIR"]) / "e2e"
+    _rmtree(root)
+    workspace = Workspace(root)
+    _install_rule_set(workspace.rules_dsa)
+    _install_workspace(workspace.path, workspace.rules_dsa)
+    try:
+        yield workspace
+    finally:
+        workspace.bazel("shutdown", expect_ok=None, timeout=300)
+        capture = request.config.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled():  # into the test log, past pytest's capture
+            print("\ne2e: nested bazel commands:")
+            for cmd, rc, seconds, *ran in workspace.timings:
+                print(f"  {cmd}: exit {rc}, {seconds:.1f}s{': ' + ran[0] if ran else ''}")
+        if not os.environ.get("DSA_E2E_KEEP"):  # --test_env=DSA_E2E_KEEP=1 keeps the output root to inspect
+            _rmtree(workspace.output_user_root)
+
+
+class Edits:
+    """Edits of workspace files, undone after the test."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._saved: Dict[Path, Optional[bytes]] = {}
+
+    def _save(self, path: Path) -> None:
+        if path not in self._saved:
+            self._saved[path] = path.read_bytes() if path.exists() else None
+
+    def replace(self, name: str, old: str, new: str) -> None:
+        path = self.root / name
+        self._save(path)
+        text = path.read_text(encoding="utf-8")
+        assert text.count(old) == 1, f"{name}: expected exactly one {old!r}"
+        path.write_text(text.replace(old, new), encoding="utf-8")
+
+    def create(self, name: str) -> Path:
+        path = self.root / name
+        self._save(path)
+        return path
+
+    def restore(self) -> None:
+        for path, content in self._saved.items():
+            if content is None:
+                path.unlink(missing_ok=True)
+            else:
+                path.write_bytes(content)
+
+
+@pytest.fixture
+def edits(ws):
+    e = Edits(ws.path)
+    try:
+        yield e
+    finally:
+        e.restore()
+
+
+def _write_finetuned_checkpoint(seeded: Path, out: Path) -> None:
+    """A different checkpoint of the same architecture, as a training run would produce: same tensors,
+    same shapes and dtypes, other values."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = {name: (value * 0.5 + 0.01).astype(value.dtype) for name, value in load_file(str(seeded)).items()}
+    save_file(tensors, str(out), metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tests, in order: the first build is shared by the rest.
+
+
+def test_rules_dsa_files_lists_every_tracked_file_of_the_rule_set(ws):
+    """//:rules_dsa_files is a list (a glob stops at package boundaries): catch a file added to the rule set
+    but not to the list before a user does."""
+    source_root = Path(os.path.realpath(RUNFILES / "WORKSPACE.bazel")).parent
+    git = shutil.which("git")
+    if git is None or not (source_root / ".git").exists():
+        pytest.skip("the runfiles do not lead back to a git checkout")
+    tracked = subprocess.run(
+        [git, "ls-files", "--", *RULE_SET_DIRS, *RULE_SET_ROOT_FILES],
+        cwd=source_root, capture_output=True, text=True, check=True,
+    ).stdout.split()
+    missing = sorted(f for f in tracked if not (ws.rules_dsa / f).exists())
+    assert not missing, f"add these files to //:rules_dsa_files (BUILD.bazel): {', '.join(missing)}"
+
+
+def test_build_produces_vmfb_per_bucket_and_param_archive(ws):
+    _, log = ws.build()
+    ran = executed_mnemonics(log)
+    # The model export, one export per bucket; one compile per bucket; one archive; one seeded checkpoint.
+    assert ran["DsaExport"] == 1 + len(BUCKETS), ran
+    assert ran["DsaCompile"] == len(BUCKETS), ran
+    assert ran["DsaParams"] == 1, ran
+    assert ran["DsaCheckpoint"] == 1, ran
+
+    for vmfb in ws.vmfbs:
+        assert vmfb.is_file() and vmfb.stat().st_size > 0, vmfb
+    assert ws.irpa.is_file() and ws.irpa.stat().st_size > 0
+    assert sha256(ws.bin / "tiny.safetensors") == PINNED_SHA, "dsa_checkpoint is not byte-identical across machines"
+
+    index = json.loads(ws.index.read_text())
+    base = ws.index.parent
+    assert (base / index["parameter_archive"]).resolve() == ws.irpa.resolve()
+    assert [(base / m["vmfb"]).resolve() for m in index["modules"]] == [v.resolve() for v in ws.vmfbs]
+    sizes = [json.loads((base / m["record"]).read_text())["bucket"]["size"] for m in index["modules"]]
+    assert sizes == BUCKETS
+
+    # Weights are named parameters resolved from the .irpa at run time, never inlined into the module.
+    mlir = ws.model_mlir.read_text()
+    assert "#flow.parameter.named" in mlir
+    assert "dense_resource" not in mlir
+    assert "!torch.vtensor<[1,?,8],f32>" in mlir, "seq_len should stay dynamic in the model's own export"
+
+
+def test_second_build_executes_nothing(ws):
+    _, log = ws.build()
+    assert not [m for m in executed_mnemonics(log) if m.startswith("Dsa")], executed_mnemonics(log)
+    assert log == [], f"a no-op rebuild spawned {executed_mnemonics(log)}"
+
+
+def test_new_checkpoint_reruns_params_only(ws, edits):
+    modules_before = {v: sha256(v) for v in ws.vmfbs + [ws.model_mlir]}
+    irpa_before = sha256(ws.irpa)
+
+    # The user drops a fine-tuned checkpoint into the workspace, points dsa_model at it, and pins it.
+    finetuned = edits.create("finetuned.safetensors")
+    _write_finetuned_checkpoint(ws.bin / "tiny.safetensors", finetuned)
+    edits.replace("BUILD.bazel", 'checkpoint = ":tiny.safetensors"', 'checkpoint = ":finetuned.safetensors"')
+    edits.replace("tiny.yaml", "path: tiny.safetensors", "path: finetuned.safetensors")
+    edits.replace("tiny.yaml", PINNED_SHA, sha256(finetuned))
+
+    _, log = ws.build()
+    ran = executed_mnemonics(log)
+    assert ran["DsaParams"] == 1, ran
+    assert ran["DsaExport"] == 0 and ran["DsaCompile"] == 0 and ran["DsaCheckpoint"] == 0, ran
+    # Besides the archive, only the cheap manifest projections (the manifest file changed) may run.
+    assert set(ran) <= {"DsaParams", "DsaManifest"}, ran
+    assert sha256(ws.irpa) != irpa_before
+    assert {v: sha256(v) for v in modules_before} == modules_before
+
+
+def test_changed_checkpoint_without_new_sha_is_refused(ws, edits):
+    finetuned = edits.create("finetuned.safetensors")
+    _write_finetuned_checkpoint(ws.bin / "tiny.safetensors", finetuned)
+    edits.replace("BUILD.bazel", 'checkpoint = ":tiny.safetensors"', 'checkpoint = ":finetuned.safetensors"')
+
+    proc, _ = ws.build(expect_ok=False)
+    assert "tiny.yaml" in proc.stderr and "checkpoint.sha256" in proc.stderr, proc.stderr[-4000:]
+    assert sha256(finetuned) in proc.stderr, "the message should give the digest to pin"
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    # No archive of the earlier checkpoint is left where the refused one would be.
+    assert not ws.irpa.exists()
+
+
+def test_manifest_missing_field_fails_with_clear_message(ws, edits):
+    edits.replace("tiny.yaml", "chunk_size: 4\n", "")
+
+    proc, _ = ws.build(expect_ok=False)
+    # A missing field has no line of its own: `tiny.yaml: chunk_size: missing required field (...)`.
+    assert re.search(r"tiny\.yaml(:\d+)?: chunk_size: missing required field", proc.stderr), proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+
+
+def test_bucket_count_mismatch_names_the_fix(ws, edits):
+    edits.replace("tiny.yaml", "seq_len: [4, 8]", "seq_len: [4, 8, 16]")
+
+    proc, _ = ws.build(expect_ok=False)
+    assert "the manifest lists 3 bucket(s) but //:tiny_buckets declares count = 2" in proc.stderr, (
+        proc.stderr[-4000:]
+    )
+    assert "set count = 3 on //:tiny_buckets" in proc.stderr, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
