@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from dsa.errors import DsaError, run_cli
-from dsa.fileio import atomic_output, read_json, sha256_bytes, sha256_file, write_json_atomic
+from dsa.fileio import atomic_output, read_json, sha256_file, write_json_atomic
 
 REPORT_FORMAT = 1
 REPRODUCIBILITY_FLAGS = [

@@ -18,8 +18,9 @@ class DsaError(Exception):
         super().__init__(str(self))
 
     def __str__(self) -> str:
+        # One line, in the form ManifestError uses: where: what (what to do).
         text = f"{self.where}: {self.message}"
-        return f"{text}\n  fix: {self.hint}" if self.hint else text
+        return f"{text} ({self.hint})" if self.hint else text
 
 
 def run_cli(main: Callable[[], None], tool: str) -> None:

@@ -86,6 +86,7 @@ def _op_histogram(graph_module) -> Dict[str, int]:
 
 
 _UNSUPPORTED = re.compile(r'torch\.operator "([^"]+)"')
+_NAMED_PARAMETER = re.compile(r'#flow\.parameter\.named<"' + PARAMETER_SCOPE + r'"::"([^"]+)">')
 
 
 def _check_supported_ops(mlir: str, exported, where: str) -> None:
@@ -99,7 +100,8 @@ def _check_supported_ops(mlir: str, exported, where: str) -> None:
         short = op.split(".", 1)[-1]  # torch.aten.linalg_eig → aten.linalg_eig
         paths = []
         for module in exported.graph_module.modules():
-            for node in getattr(module, "graph", None).nodes if hasattr(module, "graph") else []:
+            graph = getattr(module, "graph", None)
+            for node in graph.nodes if graph is not None else []:
                 if node.op == "call_function" and str(node.target).startswith(short):
                     stack = node.meta.get("nn_module_stack") or {}
                     if stack:
@@ -207,12 +209,16 @@ def export_model(
     mlir = str(output.mlir_module)
     _check_supported_ops(mlir, exported, where)
 
-    parameters = []
-    for name, tensor in sorted(module.state_dict().items()):
-        parameters.append({"name": name, "shape": list(tensor.shape), "dtype": DTYPE_NAMES[tensor.dtype]})
-        if f'"{PARAMETER_SCOPE}"::"{name}"' not in mlir and f"\"{name}\"" not in mlir:
-            raise DsaError(where, f"parameter '{name}' was not externalised (its values would be inlined)",
-                           "register it as an nn.Parameter or persistent buffer of the exported module")
+    # The module's parameters as the MLIR names them; a tensor the graph never reads is not among them.
+    named = set(_NAMED_PARAMETER.findall(mlir))
+    parameters = [
+        {"name": name, "shape": list(tensor.shape), "dtype": DTYPE_NAMES[tensor.dtype]}
+        for name, tensor in sorted(module.state_dict().items())
+        if name in named
+    ]
+    if "dense_resource<" in mlir:
+        raise DsaError(where, "the MLIR inlines tensor values (dense_resource): weights were not externalised",
+                       "register every weight as an nn.Parameter or persistent buffer of the exported module")
 
     # Dim symbols in the traced shapes (s0, s1, ...) → the model's dim names.
     symbol_names: Dict[str, str] = {}

@@ -386,3 +386,25 @@ def test_bucket_count_mismatch_names_the_fix(ws, edits):
     )
     assert "set count = 3 on //:tiny_buckets" in proc.stderr, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+
+
+def test_runtime_only_field_executes_no_export_params_or_compile(ws, edits):
+    """power_profile and flow_steps live in the runtime view only: editing them re-validates the manifest
+    (DsaManifest) and stops there."""
+    ws.build()
+    edits.replace("tiny.yaml", "power_profile: balanced", "power_profile: efficiency")
+    _, log = ws.build()
+    ran = executed_mnemonics(log)
+    assert ran["DsaExport"] == ran["DsaParams"] == ran["DsaCompile"] == 0, ran
+    assert ran["DsaManifest"] >= 1, ran
+
+
+def test_one_bucket_edit_reexports_and_recompiles_only_that_bucket(ws, edits):
+    ws.build()
+    before = [v.read_bytes() for v in ws.vmfbs]
+    edits.replace("tiny.yaml", f"seq_len: [{BUCKETS[0]}, {BUCKETS[1]}]", f"seq_len: [{BUCKETS[0]}, {BUCKETS[1] * 2}]")
+    _, log = ws.build()
+    ran = executed_mnemonics(log)
+    assert ran["DsaExport"] == 1 and ran["DsaCompile"] == 1 and ran["DsaParams"] == 0, ran
+    after = [v.read_bytes() for v in ws.vmfbs]
+    assert after[0] == before[0] and after[1] != before[1]
