@@ -19,7 +19,8 @@ from dsa.export import NominalDims, load_entry_point
 from dsa.fileio import atomic_output, read_json
 
 
-def _init_values(module, seed: int) -> Dict[str, "np.ndarray"]:
+def _init_values(module, seed: int) -> Dict[str, object]:
+    """Seeded values for every state_dict entry: LayerNorm 1/0, weights N(0, 1/fan_in), others N(0, 0.02²)."""
     import numpy as np
     from torch import nn
 

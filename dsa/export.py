@@ -254,9 +254,6 @@ def export_model(
         for name, v in zip(spec.outputs, out_vals)
     ]
 
-    import iree.compiler
-    import iree.turbine
-
     record = {
         "format": RECORD_FORMAT,
         "model_id": view["model_id"],

@@ -31,7 +31,7 @@ def sha256_bytes(data: bytes) -> str:
 
 def canonical_json(obj) -> str:
     """Deterministic JSON text: sorted keys, two-space indent, trailing newline."""
-    return json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+    return json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
 @contextlib.contextmanager
@@ -42,6 +42,7 @@ def atomic_output(path: PathLike) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
+    os.chmod(tmp_path, 0o644)  # mkstemp's 0600 would make outputs unreadable to other users
     try:
         yield tmp_path
         os.replace(tmp_path, path)

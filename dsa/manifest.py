@@ -23,17 +23,17 @@ from __future__ import annotations
 import argparse
 import copy
 import difflib
-import hashlib
 import json
 import math
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import yaml
+
+from dsa.fileio import write_json_atomic
 from jsonschema import Draft202012Validator, validators
 
 SCHEMA_PATH = Path(__file__).parent / "schema" / "manifest.schema.json"
@@ -503,31 +503,6 @@ def load_manifest(
     return manifest
 
 
-def verify_checkpoint_sha256(
-    manifest: Mapping[str, Any], manifest_path: PathLike, checkpoint_path: PathLike
-) -> None:
-    """Raises ManifestError unless the checkpoint file's SHA-256 is the one the manifest pins."""
-    expected = manifest["checkpoint"]["sha256"]
-    try:
-        with open(checkpoint_path, "rb") as f:
-            actual = hashlib.file_digest(f, "sha256").hexdigest()
-    except OSError as err:
-        raise ManifestError(
-            f"cannot read checkpoint {checkpoint_path}: {err.strerror}",
-            file=str(manifest_path),
-            field="checkpoint.path",
-            hint="check that the checkpoint exists",
-        ) from None
-    if actual != expected:
-        raise ManifestError(
-            f"checkpoint {checkpoint_path} has sha256 {actual}, the manifest expects {expected}",
-            file=str(manifest_path),
-            field="checkpoint.sha256",
-            hint=f"if this checkpoint is intended, set checkpoint.sha256 to {actual}; "
-            "otherwise restore the checkpoint the manifest pins",
-        )
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Views
 
@@ -616,17 +591,7 @@ def explain(manifest: Mapping[str, Any]) -> List[Tuple[str, List[str]]]:
 
 def dump_json(obj: Any, path: PathLike) -> None:
     """Writes `obj` as canonical JSON (sorted keys, 2-space indent, UTF-8, trailing newline), atomically."""
-    path = Path(path)
-    text = json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_json_atomic(path, obj)
 
 
 # ---------------------------------------------------------------------------------------------------------

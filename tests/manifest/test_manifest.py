@@ -5,7 +5,6 @@ line the CLI must print on stderr.
 """
 
 import copy
-import hashlib
 import json
 import os
 import subprocess
@@ -23,7 +22,6 @@ from dsa.manifest import (
     explain,
     load_manifest,
     project,
-    verify_checkpoint_sha256,
 )
 
 CORPUS = Path(__file__).parent / "corpus"
@@ -317,29 +315,3 @@ def test_corpus(name, targets_dir):
     assert "Traceback" not in result.stderr
     assert result.returncode == 2
     assert result.stderr == EXPECTED[name] + "\n"
-
-
-# --- checkpoint --------------------------------------------------------------------------------------------
-
-
-def test_checkpoint_sha256(tmp_path, pi0):
-    checkpoint = tmp_path / "pi0.safetensors"
-    checkpoint.write_bytes(b"weights")
-    actual = hashlib.sha256(b"weights").hexdigest()
-    with pytest.raises(ManifestError) as err:
-        verify_checkpoint_sha256(pi0, PI0, checkpoint)
-    assert err.value.field == "checkpoint.sha256"
-    assert str(err.value) == (
-        f"{PI0}: checkpoint.sha256: checkpoint {checkpoint} has sha256 {actual}, "
-        f"the manifest expects {pi0['checkpoint']['sha256']} "
-        f"(if this checkpoint is intended, set checkpoint.sha256 to {actual}; "
-        "otherwise restore the checkpoint the manifest pins)"
-    )
-    matching = copy.deepcopy(pi0)
-    matching["checkpoint"]["sha256"] = actual
-    verify_checkpoint_sha256(matching, PI0, checkpoint)
-
-
-def test_missing_checkpoint(tmp_path, pi0):
-    with pytest.raises(ManifestError, match="checkpoint.path: cannot read checkpoint"):
-        verify_checkpoint_sha256(pi0, PI0, tmp_path / "absent.safetensors")
