@@ -46,9 +46,12 @@ def target_flags(target: dict, where: str) -> List[str]:
 
 
 def manifest_flags(view: dict) -> List[str]:
-    """Flags implied by the compile view. Quantised weights must stay packed until the dequantising matmul."""
+    """Flags implied by the compile view. Quantised weights must stay packed until the matmul: no constant
+    evaluation or hoisting (which would materialise float weights at load), and dequantisation fused into
+    the matmul's dispatch."""
     if view["quant_scheme"]["kind"] in ("int8", "int4"):
-        return ["--iree-opt-const-eval=false", "--iree-opt-const-expr-hoisting=false"]
+        return ["--iree-opt-const-eval=false", "--iree-opt-const-expr-hoisting=false",
+                "--iree-dispatch-creation-block-matmul-producer-fusion=false"]
     return []
 
 

@@ -18,14 +18,16 @@ import collections
 import dataclasses
 import importlib
 import inspect
+import os
 import re
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 from dsa import importer_fixes
 from dsa.errors import DsaError, run_cli
 from dsa.fileio import read_json, sha256_bytes, sha256_file, write_bytes_atomic, write_json_atomic
+from dsa.quant import quantize_module
 from dsa.spec import DTYPE_NAMES, ExportSpec, InputSpec
 
 PARAMETER_SCOPE = "model"
@@ -56,6 +58,26 @@ def load_entry_point(entry_point: str, pythonpath: Sequence[str] = ()):
         return getattr(module, function_name)
     except AttributeError:
         raise DsaError("model.entry_point", f"module '{module_name}' has no function '{function_name}'") from None
+
+
+def model_source_files(entry_point: str, pythonpath: Sequence[str]) -> List[str]:
+    """The model code behind an entry point: the .py files (relative to their pythonpath root) of its module,
+    its parent packages and what they import from the pythonpath, rules_dsa's own `dsa` package excepted.
+    The Bazel rules pass the same set (the model's py_library sources without //dsa) to DsaExport."""
+    import modulefinder
+
+    finder = modulefinder.ModuleFinder(path=list(pythonpath))
+    finder.import_hook(entry_point.partition(":")[0])
+    files = set()
+    for name, module in finder.modules.items():
+        if module.__file__ and name != "dsa" and not name.startswith("dsa."):
+            # Absolute but not resolved: in a runfiles tree every file is a symlink to elsewhere.
+            path = Path(os.path.abspath(module.__file__))
+            for root in pythonpath:
+                if path.is_relative_to(os.path.abspath(root)):
+                    files.add(str(path.relative_to(os.path.abspath(root))))
+                    break
+    return sorted(files)
 
 
 def _example_size(minimum: int) -> int:
@@ -146,7 +168,7 @@ def export_model(
     *,
     bucket: Optional[dict] = None,
     reference_record: Optional[dict] = None,
-    sources: Sequence[str] = (),
+    sources: Union[Sequence[str], Mapping[str, str]] = (),
     pythonpath: Sequence[str] = (),
     manifest_name: str = "manifest",
 ) -> dict:
@@ -185,6 +207,7 @@ def export_model(
 
     spec: ExportSpec = entry(view, dims)
     module = spec.module.eval()
+    quantized = quantize_module(module, view.get("quant_scheme", {"kind": "none"}))
     aot.externalize_module_parameters(module, external_scope=PARAMETER_SCOPE)
     rng = np.random.default_rng(EXAMPLE_SEED)
     args = tuple(s.example(rng) for s in spec.inputs)
@@ -264,7 +287,9 @@ def export_model(
         "parameters": parameters,
         "parameter_count": int(sum(int(np.prod(p["shape"])) for p in parameters)),
         "op_histogram": _op_histogram(exported.graph_module),
-        "sources": {path: sha256_file(path) for path in sorted(sources)},
+        # Model code by workspace-relative path (a mapping gives path → file to read).
+        "sources": {key: sha256_file(sources[key] if isinstance(sources, Mapping) else key)
+                    for key in sorted(sources)},
         "mlir_sha256": sha256_bytes(mlir.encode("utf-8")),
         "toolchain": {
             "torch": torch.__version__,
@@ -272,6 +297,8 @@ def export_model(
             "iree-base-compiler": _version("iree-base-compiler"),
         },
     }
+    if quantized:
+        record["quantization"] = {"scheme": view["quant_scheme"], "tensors": quantized}
     if bucket is not None:
         record["bucket"] = {"dim": bucket["dim"], "size": bucket["size"], "slot": bucket["slot"]}
         record["dynamic_dims"] = {

@@ -52,7 +52,10 @@ VIEWS: Dict[str, str] = {
 }
 # View name → the top-level fields its projection reads (what `explain` reports).
 _VIEW_FIELDS: Dict[str, Tuple[str, ...]] = {
-    "export": ("schema_version", "model_id", "framework", "model", "inputs", "outputs", "chunk_size", "buckets"),
+    "export": (
+        "schema_version", "model_id", "framework", "model", "inputs", "outputs", "chunk_size", "buckets",
+        "quant_scheme",
+    ),
     "params": ("model_id", "checkpoint", "quant_scheme"),
     "compile": ("model_id", "quant_scheme", "targets"),
     "bucket": ("buckets",),
@@ -538,6 +541,8 @@ def project(
             "outputs": m["outputs"],
             "chunk_size": m["chunk_size"],
             "bucket_dims": sorted(m["buckets"]),
+            # Quantisation reshapes the exported graph (packed weights, in-graph dequantisation).
+            "quant_scheme": m["quant_scheme"],
         }
     elif view == "params":
         result = {"model_id": m["model_id"], "checkpoint": m["checkpoint"], "quant_scheme": m["quant_scheme"]}

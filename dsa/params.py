@@ -16,6 +16,7 @@ from typing import List, Optional
 
 from dsa.errors import DsaError, run_cli
 from dsa.fileio import atomic_output, read_json, sha256_file
+from dsa.quant import SCALE_SUFFIX, quantize_weight, scale_name, source_of
 
 # Same metadata form as iree-turbine's ParameterArchiveBuilder, so turbine's ParameterArchive reads it back.
 _METADATA_PREFIX = "PYTORCH:"
@@ -62,17 +63,32 @@ def build_params(
             f"checkpoint {checkpoint} has sha256 {actual_sha}, but the manifest pins {expected_sha}",
             "if this checkpoint is the one you mean to ship, set checkpoint.sha256 to the new digest",
         )
-    kind = view["quant_scheme"]["kind"]
-    if kind != "none":
-        raise DsaError(f"{manifest_name}: quant_scheme.kind", f"'{kind}' is not implemented by this release",
-                       "use quant_scheme.kind: none")
+    scheme = view["quant_scheme"]
+    quantization = record.get("quantization", {"scheme": {"kind": "none"}, "tensors": {}})
+    if quantization["scheme"] != scheme:
+        raise DsaError(
+            f"{manifest_name}: quant_scheme",
+            f"the params view asks for {scheme} but the model was exported for {quantization['scheme']}",
+            "build the parameter archive and the export from the same manifest",
+        )
+    quantized = quantization["tensors"]
 
     try:
         handle = safe_open(str(checkpoint), framework="pt")
     except (SafetensorError, OSError, ValueError) as e:
         raise DsaError(str(checkpoint), f"not a readable safetensors file: {e}",
                        "point checkpoint.path at a .safetensors file") from None
-    wanted = {p["name"]: p for p in record["parameters"]}
+    # What the checkpoint must hold: the float weight behind each quantised tensor, every other parameter
+    # as recorded; scales are derived, not read.
+    wanted = {}
+    for p in record["parameters"]:
+        if source_of(p["name"], quantized):
+            continue
+        if p["name"] in quantized:
+            wanted[p["name"]] = {"name": p["name"], "shape": quantized[p["name"]]["shape"], "dtype": "float32"}
+        else:
+            wanted[p["name"]] = p
+    recorded = {p["name"]: p for p in record["parameters"]}
     present = set(handle.keys())
     missing = sorted(set(wanted) - present)
     extra = sorted(present - set(wanted))
@@ -96,6 +112,16 @@ def build_params(
                 f"has shape {list(tensor.shape)} {dtype}, the exported model expects {want['shape']} {want['dtype']}",
                 "use a checkpoint of the same architecture as the manifest's model.config",
             )
+        if name in quantized:
+            parts = quantize_weight(tensor.numpy(), scheme)
+            for key, array in ((name, parts[""]), (scale_name(name), parts[SCALE_SUFFIX])):
+                want = recorded[key]
+                got = DTYPE_NAMES[torch.from_numpy(array).dtype]
+                if list(array.shape) != want["shape"] or got != want["dtype"]:
+                    raise DsaError(key, f"quantised to {list(array.shape)} {got}, the export expects "
+                                        f"{want['shape']} {want['dtype']} (export and params disagree)")
+                index.add_buffer(key, array.tobytes(), metadata=_metadata(got, array.shape))
+            continue
         data = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
         index.add_buffer(name, data, metadata=_metadata(dtype, tensor.shape))
     with atomic_output(out_irpa) as tmp:

@@ -1,6 +1,6 @@
 """dsa-compile: the whole pipeline without Bazel, for users not on Bazel yet.
 
-    python -m dsa.pipeline --manifest manifests/pi0.yaml --out out/pi0 [--checkpoint FILE | --seeded-checkpoint 0]
+    bin/dsa-compile --manifest manifests/pi0.yaml --out out/pi0 [--checkpoint FILE | --seeded-checkpoint 0]
 
 Runs the same stage functions the Bazel rules run, in the same order: manifest views → export → parameter
 archive → one export per shape bucket → compile for every target the manifest lists → module index. It
@@ -17,8 +17,10 @@ from typing import List, Optional
 from dsa.checkpoint import make_checkpoint
 from dsa.compile import compile_module
 from dsa.errors import DsaError, run_cli
-from dsa.export import export_model
+from dsa.export import export_model, model_source_files
 from dsa.fileio import read_json, write_json_atomic
+from dsa.identity import identity
+from dsa.lock import ModuleFiles, make_lock, tool_source_files
 from dsa.manifest import load_manifest, project
 from dsa.params import build_params
 
@@ -31,8 +33,10 @@ def run_pipeline(
     checkpoint: Optional[Path] = None,
     seeded_checkpoint: Optional[int] = None,
     pythonpath: List[str] = (),
-) -> Path:
-    """Builds every artifact of the manifest's model into `out`; returns the module index of each target."""
+    requirements_lock: Path = Path("requirements_lock.txt"),
+) -> List[Path]:
+    """Builds every artifact of the manifest's model into `out`; returns the module index of each target.
+    Beside each index lies `<target>.lock.json`, the same recipe lock the Bazel rules write."""
     known = sorted(p.stem for p in targets_dir.glob("*.json"))
     manifest = load_manifest(manifest_path, known_targets=known)
     name = str(manifest_path)
@@ -52,31 +56,48 @@ def run_pipeline(
         raise DsaError(f"{name}: checkpoint.path", f"no checkpoint at {checkpoint}",
                        "pass --checkpoint FILE, or --seeded-checkpoint SEED for a generated stand-in")
 
+    entry_point = export_view["model"]["entry_point"]
+    sources = {}
+    for rel in model_source_files(entry_point, pythonpath):
+        sources[rel] = next(str(Path(root) / rel) for root in pythonpath if (Path(root) / rel).exists())
     record = export_model(export_view, out / "model.mlir", out / "export_record.json",
-                          pythonpath=pythonpath, manifest_name=name)
+                          sources=sources, pythonpath=pythonpath, manifest_name=name)
     build_params(checkpoint, params_view, record, out / "params.irpa", manifest_name=name)
 
-    sources = []  # (mlir, record) per module
+    view_files = {"export": views / "export_view.json", "params": views / "params_view.json",
+                  "runtime": out / "runtime_view.json"}
+    exported = []  # (mlir, record) per module
     for dim, sizes in sorted(manifest["buckets"].items()):
         for slot in range(len(sizes)):
             stem = out / "buckets" / f"{dim}_{slot}"
             bucket = project(manifest, "bucket", bucket=(dim, slot))
+            view_files[f"bucket/{dim}_{slot}"] = views / f"{dim}_{slot}.bucket_view.json"
+            write_json_atomic(view_files[f"bucket/{dim}_{slot}"], bucket)
             export_model(export_view, stem.with_suffix(".mlir"), stem.with_suffix(".export_record.json"),
-                         bucket=bucket, reference_record=record, pythonpath=pythonpath, manifest_name=name)
-            sources.append((stem.with_suffix(".mlir"), stem.with_suffix(".export_record.json")))
-    if not sources:
-        sources.append((out / "model.mlir", out / "export_record.json"))
+                         bucket=bucket, reference_record=record, sources=sources, pythonpath=pythonpath,
+                         manifest_name=name)
+            exported.append((stem.with_suffix(".mlir"), stem.with_suffix(".export_record.json")))
+    if not exported:
+        exported.append((out / "model.mlir", out / "export_record.json"))
+    import dsa
+
+    tool_sources = tool_source_files(Path(dsa.__file__).parent)
+    environment = identity(str(requirements_lock))
 
     indexes = []
     for target_name in manifest["targets"]:
         target = read_json(targets_dir / f"{target_name}.json")
         compile_view = project(manifest, "compile", target=target_name)
+        compile_view_file = views / f"compile_view.{target_name}.json"
+        write_json_atomic(compile_view_file, compile_view)
         modules = []
-        for mlir, module_record in sources:
+        module_files = []
+        for mlir, module_record in exported:
             vmfb = out / target_name / (mlir.stem + ".vmfb")
-            compile_module(mlir, compile_view, target, vmfb, vmfb.with_suffix(".compile_report.json"),
-                           where=f"{mlir} for target {target_name}")
+            report = vmfb.with_suffix(".compile_report.json")
+            compile_module(mlir, compile_view, target, vmfb, report, where=f"{mlir} for target {target_name}")
             modules.append({"vmfb": os.path.relpath(vmfb, out), "record": os.path.relpath(module_record, out)})
+            module_files.append(ModuleFiles(mlir.stem, mlir, module_record, vmfb, report))
         target_copy = out / target_name / f"{target_name}.json"
         write_json_atomic(target_copy, target)
         index = out / f"{target_name}.modules.json"
@@ -89,8 +110,23 @@ def run_pipeline(
             "runtime_view": "runtime_view.json",
             "modules": modules,
         })
+        write_json_atomic(out / f"{target_name}.lock.json", make_lock(
+            manifest=manifest_path,
+            views=dict(view_files, compile=compile_view_file),
+            checkpoint=checkpoint,
+            model_sources={rel: Path(path) for rel, path in sources.items()},
+            tool_sources=tool_sources,
+            identity=environment,
+            target_spec=targets_dir / f"{target_name}.json",
+            modules=module_files,
+            params=out / "params.irpa",
+        ))
         indexes.append(index)
     return indexes
+
+
+# The checkout this module runs from (holds toolchains/ and requirements_lock.txt).
+_RULES_DSA_ROOT = Path(__file__).resolve().parent.parent
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -100,14 +136,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--checkpoint", type=Path, help="default: checkpoint.path, relative to the manifest")
     parser.add_argument("--seeded-checkpoint", type=int, metavar="SEED",
                         help="generate the seeded stand-in checkpoint (as dsa_checkpoint does)")
-    parser.add_argument("--targets-dir", type=Path, default=Path("toolchains/targets"))
+    parser.add_argument("--targets-dir", type=Path, default=_RULES_DSA_ROOT / "toolchains" / "targets",
+                        help="target specs (default: this checkout's toolchains/targets)")
+    parser.add_argument("--requirements-lock", type=Path, default=_RULES_DSA_ROOT / "requirements_lock.txt",
+                        help="the lock the Python environment was installed from (recorded in the lock)")
     parser.add_argument("--pythonpath", action="append", default=None,
                         help="directory holding the model code (default: the current directory)")
     a = parser.parse_args(argv)
     indexes = run_pipeline(a.manifest, a.out, targets_dir=a.targets_dir, checkpoint=a.checkpoint,
-                           seeded_checkpoint=a.seeded_checkpoint, pythonpath=a.pythonpath or ["."])
+                           seeded_checkpoint=a.seeded_checkpoint, pythonpath=a.pythonpath or ["."],
+                           requirements_lock=a.requirements_lock)
     for index in indexes:
-        print(f"dsa-compile: wrote {index}")
+        print(f"dsa-compile: wrote {index} and {index.name.replace('.modules.json', '.lock.json')}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ def _dsa_bucket_impl(ctx):
     dim = ctx.attr.dim
     mlirs = []
     records = []
+    views = []
     for slot in range(ctx.attr.count):
         stem = "%s/%s_%d" % (ctx.label.name, dim, slot)
         view = ctx.actions.declare_file(stem + ".bucket_view.json")
@@ -22,7 +23,7 @@ def _dsa_bucket_impl(ctx):
         args.add("--reference-record", model.export_record)
         args.add("--manifest-name", model.manifest.short_path)
         args.add_all(model.pythonpath, before_each = "--pythonpath")
-        args.add_all(model.model_sources, before_each = "--source")
+        args.add_all(model.own_sources, before_each = "--source")
         args.add("--out-mlir", mlir)
         args.add("--out-record", record)
         ctx.actions.run(
@@ -39,9 +40,10 @@ def _dsa_bucket_impl(ctx):
         )
         mlirs.append(mlir)
         records.append(record)
+        views.append(view)
     return [
         DefaultInfo(files = depset(mlirs + records), runfiles = ctx.runfiles(files = mlirs + records)),
-        DsaBucketInfo(model = model, dim = dim, mlirs = mlirs, records = records),
+        DsaBucketInfo(model = model, dim = dim, mlirs = mlirs, records = records, views = views),
     ]
 
 dsa_bucket = rule(

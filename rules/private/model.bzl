@@ -4,8 +4,19 @@ load("@rules_python//python:defs.bzl", "PyInfo")
 load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "manifest_view", "pythonpath_of")
 load(":providers.bzl", "DsaModelInfo")
 
+# rules_dsa's own `dsa` package: model code imports dsa.spec, but it is tool code, recorded as such in
+# the lock, not as the model's sources.
+_DSA_PACKAGE = Label("//dsa:spec")
+
 def _model_sources(deps):
-    return depset(transitive = [d[PyInfo].transitive_sources for d in deps])
+    """(all Python sources the export imports, the model's own sources)."""
+    everything = depset(transitive = [d[PyInfo].transitive_sources for d in deps])
+    own = [
+        f
+        for f in everything.to_list()
+        if not (f.owner.workspace_root == _DSA_PACKAGE.workspace_root and f.owner.package == _DSA_PACKAGE.package)
+    ]
+    return everything, own
 
 def _out(ctx, basename):
     return ctx.actions.declare_file("%s/%s" % (ctx.label.name, basename))
@@ -22,7 +33,7 @@ def _dsa_model_impl(ctx):
     manifest_view(ctx, manifest, "params", params_view)
     manifest_view(ctx, manifest, "runtime", runtime_view)
 
-    sources = _model_sources(ctx.attr.deps)
+    sources, own_sources = _model_sources(ctx.attr.deps)
     source_list = sources.to_list()
     mlir = _out(ctx, "model.mlir")
     record = _out(ctx, "export_record.json")
@@ -30,7 +41,7 @@ def _dsa_model_impl(ctx):
     args.add("--view", export_view)
     args.add("--manifest-name", manifest.short_path)
     args.add_all(pythonpath_of(source_list), before_each = "--pythonpath")
-    args.add_all(source_list, before_each = "--source")
+    args.add_all(own_sources, before_each = "--source")
     args.add("--out-mlir", mlir)
     args.add("--out-record", record)
     ctx.actions.run(
@@ -66,11 +77,14 @@ def _dsa_model_impl(ctx):
             model_id = name,
             manifest = manifest,
             export_view = export_view,
+            params_view = params_view,
+            checkpoint = ctx.file.checkpoint,
             runtime_view = runtime_view,
             mlir = mlir,
             export_record = record,
             params = params,
             model_sources = sources,
+            own_sources = own_sources,
             pythonpath = pythonpath_of(source_list),
         ),
         OutputGroupInfo(views = depset([export_view, params_view, runtime_view])),
@@ -97,7 +111,7 @@ reruns DsaParams alone.""",
 def _dsa_checkpoint_impl(ctx):
     view = ctx.actions.declare_file("%s/export_view.json" % ctx.label.name)
     manifest_view(ctx, ctx.file.manifest, "export", view)
-    sources = _model_sources(ctx.attr.deps)
+    sources, _ = _model_sources(ctx.attr.deps)
     source_list = sources.to_list()
     out = ctx.outputs.out
     args = ctx.actions.args()

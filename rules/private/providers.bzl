@@ -14,11 +14,14 @@ DsaModelInfo = provider(
         "model_id": "Rule name the artifacts are reported under.",
         "manifest": "File: the deployment manifest.",
         "export_view": "File: the manifest's export view (JSON).",
+        "params_view": "File: the manifest's params view (JSON).",
+        "checkpoint": "File: the checkpoint the parameter archive was made from.",
         "runtime_view": "File: the manifest's runtime view (JSON).",
         "mlir": "File: torch-dialect MLIR, dynamic dims kept dynamic.",
         "export_record": "File: the export record (JSON).",
         "params": "File: the .irpa parameter archive.",
-        "model_sources": "depset of Files: the model code (Python sources).",
+        "model_sources": "depset of Files: every Python source the export imports (model code and dsa.spec).",
+        "own_sources": "list of Files: the model's own sources (model_sources without rules_dsa's dsa package).",
         "pythonpath": "list of str: execroot-relative directories that hold the model code's packages.",
     },
 )
@@ -30,6 +33,7 @@ DsaBucketInfo = provider(
         "dim": "Name of the bucketed dim.",
         "mlirs": "list of Files: one MLIR per bucket slot, in slot order.",
         "records": "list of Files: the export record of each slot.",
+        "views": "list of Files: the bucket view of each slot.",
     },
 )
 
@@ -42,5 +46,6 @@ DsaModuleInfo = provider(
         "records": "list of Files: the export record of each module.",
         "reports": "list of Files: the compile report of each module.",
         "index": "File: the module index the runner loads (JSON).",
+        "lock": "File: the recipe lock (JSON): digests of every input and output of these modules.",
     },
 )

@@ -3,6 +3,43 @@
 load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "manifest_view", "relative_path")
 load(":providers.bzl", "DsaBucketInfo", "DsaModelInfo", "DsaModuleInfo", "DsaTargetInfo")
 
+def _repo_relative(f):
+    """A file's path inside its own repository (`dsa/export.py`, in any workspace)."""
+    return f.short_path.split("/", 2)[2] if f.short_path.startswith("../") else f.short_path
+
+def _lock_action(ctx, lock, model, target, compile_view, bucket_views, mlirs, records, vmfbs, reports):
+    """DsaLock: digests of every input and output of these modules (see dsa/lock.py)."""
+    views = {"export": model.export_view, "params": model.params_view, "runtime": model.runtime_view, "compile": compile_view}
+    for v in bucket_views:
+        views["bucket/" + v.basename[:-len(".bucket_view.json")]] = v
+    tool_sources = ctx.files._tool_sources
+    args = ctx.actions.args()
+    args.add("--manifest", model.manifest)
+    args.add_all(["%s=%s" % (k, v.path) for k, v in sorted(views.items())], before_each = "--view")
+    args.add("--checkpoint", model.checkpoint)
+    args.add_all(["%s=%s" % (_repo_relative(f), f.path) for f in model.own_sources], before_each = "--model-source")
+    args.add_all(["%s=%s" % (_repo_relative(f), f.path) for f in tool_sources], before_each = "--tool-source")
+    args.add("--identity", ctx.file._toolchain_identity)
+    args.add("--target-spec", target.spec)
+    args.add_all([
+        "%s=%s" % (m.basename[:-len(".mlir")], ",".join([m.path, r.path, v.path, p.path]))
+        for m, r, v, p in zip(mlirs, records, vmfbs, reports)
+    ], before_each = "--module")
+    args.add("--params", model.params)
+    args.add("--out", lock)
+    ctx.actions.run(
+        executable = ctx.executable._lock_tool,
+        arguments = [args],
+        inputs = depset(
+            [model.manifest, model.checkpoint, ctx.file._toolchain_identity, target.spec, model.params] +
+            views.values() + model.own_sources + tool_sources + mlirs + records + vmfbs + reports,
+        ),
+        outputs = [lock],
+        mnemonic = "DsaLock",
+        progress_message = "Writing the recipe lock %s" % lock.short_path,
+        env = ACTION_ENV,
+    )
+
 def _dsa_vmfb_impl(ctx):
     name = ctx.label.name
     target = ctx.attr.target[DsaTargetInfo]
@@ -11,10 +48,12 @@ def _dsa_vmfb_impl(ctx):
         model = src[DsaBucketInfo].model
         mlirs = src[DsaBucketInfo].mlirs
         records = src[DsaBucketInfo].records
+        bucket_views = src[DsaBucketInfo].views
     else:
         model = src[DsaModelInfo]
         mlirs = [model.mlir]
         records = [model.export_record]
+        bucket_views = []
 
     view = ctx.actions.declare_file("%s/compile_view.%s.json" % (name, target.name))
     manifest_view(ctx, model.manifest, "compile", view, target = target.name)
@@ -59,10 +98,21 @@ def _dsa_vmfb_impl(ctx):
         ],
     )) + "\n")
 
-    files = vmfbs + reports + records + [index, model.params, model.runtime_view, target.spec]
+    lock = ctx.actions.declare_file(name + ".lock.json")
+    _lock_action(ctx, lock, model, target, view, bucket_views, mlirs, records, vmfbs, reports)
+
+    files = vmfbs + reports + records + [index, lock, model.params, model.runtime_view, target.spec]
     return [
         DefaultInfo(files = depset(files), runfiles = ctx.runfiles(files = files)),
-        DsaModuleInfo(model = model, target = target, vmfbs = vmfbs, records = records, reports = reports, index = index),
+        DsaModuleInfo(
+            model = model,
+            target = target,
+            vmfbs = vmfbs,
+            records = records,
+            reports = reports,
+            index = index,
+            lock = lock,
+        ),
         OutputGroupInfo(index = depset([index])),
     ]
 
@@ -76,6 +126,8 @@ reproducibility flags; the target must be one the manifest lists under `targets`
         "src": attr.label(mandatory = True, providers = [[DsaModelInfo], [DsaBucketInfo]]),
         "target": attr.label(mandatory = True, providers = [DsaTargetInfo]),
         "_compile_tool": attr.label(default = Label("//dsa:compile_tool"), executable = True, cfg = "exec"),
+        "_lock_tool": attr.label(default = Label("//dsa:lock_tool"), executable = True, cfg = "exec"),
+        "_tool_sources": attr.label(default = Label("//dsa:tool_sources"), allow_files = True),
     }),
     provides = [DsaModuleInfo],
 )

@@ -349,8 +349,9 @@ def test_new_checkpoint_reruns_params_only(ws, edits):
     ran = executed_mnemonics(log)
     assert ran["DsaParams"] == 1, ran
     assert ran["DsaExport"] == 0 and ran["DsaCompile"] == 0 and ran["DsaCheckpoint"] == 0, ran
-    # Besides the archive, only the cheap manifest projections (the manifest file changed) may run.
-    assert set(ran) <= {"DsaParams", "DsaManifest"}, ran
+    # Besides the archive, only the cheap manifest projections (the manifest file changed) and the recipe
+    # lock (it records the checkpoint's and the archive's digests) may run.
+    assert set(ran) <= {"DsaParams", "DsaManifest", "DsaLock"}, ran
     assert sha256(ws.irpa) != irpa_before
     assert {v: sha256(v) for v in modules_before} == modules_before
 
@@ -388,15 +389,57 @@ def test_bucket_count_mismatch_names_the_fix(ws, edits):
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
 
 
-def test_runtime_only_field_executes_no_export_params_or_compile(ws, edits):
-    """power_profile and flow_steps live in the runtime view only: editing them re-validates the manifest
-    (DsaManifest) and stops there."""
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("power_profile: balanced", "power_profile: efficiency"),
+        ("flow_steps: 3", "flow_steps: 7"),
+        ("n_action_steps: 2", "n_action_steps: 1"),
+    ],
+    ids=["power_profile", "flow_steps", "n_action_steps"],
+)
+def test_runtime_only_field_executes_no_export_params_or_compile(ws, edits, old, new):
+    """These fields live in the runtime view only: editing one re-validates the manifest (DsaManifest),
+    rewrites the runtime view and the lock that records its digest (DsaLock), and runs nothing else."""
     ws.build()
-    edits.replace("tiny.yaml", "power_profile: balanced", "power_profile: efficiency")
+    edits.replace("tiny.yaml", old, new)
     _, log = ws.build()
     ran = executed_mnemonics(log)
     assert ran["DsaExport"] == ran["DsaParams"] == ran["DsaCompile"] == 0, ran
-    assert ran["DsaManifest"] >= 1, ran
+    assert ran["DsaManifest"] >= 1 and ran["DsaLock"] == 1, ran
+    assert set(ran) <= {"DsaManifest", "DsaLock"}, ran
+
+
+def test_target_change_recompiles_without_exporting(ws, edits):
+    """Switching the dsa_vmfb to another target the manifest lists recompiles every bucket for it and
+    exports nothing, and the vmfbs differ (another CPU level)."""
+    ws.build()
+    before = [v.read_bytes() for v in ws.vmfbs]
+    edits.replace("tiny.yaml", "targets: [x86_64-v3]", "targets: [x86_64-v3, x86_64-v4]")
+    edits.replace("BUILD.bazel", "toolchains/targets:x86_64-v3", "toolchains/targets:x86_64-v4")
+    _, log = ws.build()
+    ran = executed_mnemonics(log)
+    assert ran["DsaCompile"] == len(BUCKETS) and ran["DsaExport"] == ran["DsaParams"] == 0, ran
+    assert [v.read_bytes() for v in ws.vmfbs] != before
+
+
+def test_quant_scheme_edit_reexports_repacks_and_recompiles(ws, edits):
+    """quant_scheme shapes the graph (packed weights), the archive (quantised tensors) and the compile flags:
+    editing it reruns all three, and the archive shrinks."""
+    ws.build()
+    irpa_size = ws.irpa.stat().st_size
+    edits.replace("tiny.yaml", "kind: none", "kind: int8")
+    _, log = ws.build()
+    ran = executed_mnemonics(log)
+    assert ran["DsaExport"] == 1 + len(BUCKETS) and ran["DsaParams"] == 1, ran
+    assert ran["DsaCompile"] == len(BUCKETS), ran
+    assert ws.irpa.stat().st_size < irpa_size
+
+
+def test_target_not_in_manifest_is_refused(ws, edits):
+    edits.replace("BUILD.bazel", "toolchains/targets:x86_64-v3", "toolchains/targets:x86_64-v4")
+    proc, _ = ws.build(expect_ok=False)
+    assert "x86_64-v4" in proc.stderr and "targets" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_one_bucket_edit_reexports_and_recompiles_only_that_bucket(ws, edits):

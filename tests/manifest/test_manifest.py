@@ -150,6 +150,7 @@ def test_views(pi0):
         "outputs": pi0["outputs"],
         "chunk_size": 16,
         "bucket_dims": ["prompt_len"],
+        "quant_scheme": {"kind": "none"},
     }
     assert project(pi0, "params") == {
         "model_id": "pi0",

@@ -1,4 +1,4 @@
-"""dsa-compile (no Bazel) runs the same stage code as the rules and gives byte-identical artifacts."""
+"""dsa-compile (no Bazel) runs the same stage code as the rules and gives byte-identical artifacts and lock."""
 
 from dsa.fileio import read_json, sha256_file
 from dsa.pipeline import run_pipeline
@@ -12,6 +12,7 @@ def test_dsa_compile_matches_bazel_build_byte_for_byte(tmp_path):
         targets_dir=runfile("toolchains/targets"),
         seeded_checkpoint=0,
         pythonpath=[str(runfile("."))],
+        requirements_lock=runfile("requirements_lock.txt"),
     )
     assert [i.name for i in indexes] == ["x86_64-v3.modules.json"]
     ours = read_json(indexes[0])
@@ -24,3 +25,8 @@ def test_dsa_compile_matches_bazel_build_byte_for_byte(tmp_path):
             read_json(bazel_index.parent / built["record"])["mlir_sha256"]
     assert sha256_file(tmp_path / "params.irpa") == sha256_file(bazel_index.parent / theirs["parameter_archive"])
     assert sha256_file(tmp_path / "checkpoint.safetensors") == sha256_file(runfile("models/pi0.safetensors"))
+    # The recipe lock: every input and output digest, byte-identical (so, e.g., the same model sources,
+    # tool sources, views, toolchain identity and flags were recorded).
+    ours_lock, bazel_lock = tmp_path / "x86_64-v3.lock.json", runfile("models/pi0.lock.json")
+    assert read_json(ours_lock) == read_json(bazel_lock)
+    assert sha256_file(ours_lock) == sha256_file(bazel_lock)

@@ -52,3 +52,20 @@ class Wrapper(nn.Module):
 def eig(view, dims):
     """A model with an op IREE cannot lower (an eigen-decomposition), nested at module path `solver`."""
     return ExportSpec(module=Wrapper(), inputs=[InputSpec("x", (1, 4, 4), "float32")], outputs=["y"])
+
+
+class Mlp(nn.Module):
+    """A 3-layer MLP wide enough for group-wise quantisation (in_features divisible by 64)."""
+
+    def __init__(self, width=256):
+        super().__init__()
+        self.fc1 = nn.Linear(64, width)
+        self.fc2 = nn.Linear(width, width)
+        self.fc3 = nn.Linear(width, 8)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def mlp(view, dims):
+    return ExportSpec(module=Mlp(), inputs=[InputSpec("x", (4, 64), "float32")], outputs=["y"])

@@ -14,34 +14,6 @@ remote cache.
 
 _PYTHON_VERSION = "3.11"
 
-# Runs inside the new venv; prints identity.json. Paths come in as arguments and
-# are never written out.
-_IDENTITY_PY = """
-import hashlib, json, platform, re, subprocess, sys, sysconfig
-
-lock = sys.argv[1]
-with open(lock, "rb") as f:
-    lock_sha256 = hashlib.sha256(f.read()).hexdigest()
-freeze = subprocess.run(
-    [sys.executable, "-m", "pip", "freeze"],
-    check=True, capture_output=True, text=True,
-).stdout.split()
-# Names in PEP 503 normal form, as in the lock, so the list reads like it.
-installed = sorted(
-    re.sub(r"[-_.]+", "-", name).lower() + "==" + version
-    for name, version in (line.split("==", 1) for line in freeze if "==" in line)
-)
-identity = {
-    "schema": 1,
-    "lock_sha256": lock_sha256,
-    "python_version": platform.python_version(),
-    "implementation": platform.python_implementation(),
-    "platform": sysconfig.get_platform(),
-    "installed": installed,
-}
-print(json.dumps(identity, sort_keys=True, indent=2))
-"""
-
 # POSIX sh: the venv is found relative to this file's real location, so the text
 # is the same in every checkout.
 _WRAPPER = """#!/bin/sh
@@ -167,7 +139,7 @@ def _dsa_python_env_impl(rctx):
 
     identity = _run(
         rctx,
-        ["venv/bin/python", "-c", _IDENTITY_PY, lock],
+        ["venv/bin/python", rctx.path(Label("//dsa:identity.py")), lock],
         "writing identity.json",
         environment = pip_env,
     )
