@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from pathlib import Path
 from typing import List, Optional
 
@@ -99,7 +100,7 @@ def run_pipeline(
             modules.append({"vmfb": os.path.relpath(vmfb, out), "record": os.path.relpath(module_record, out)})
             module_files.append(ModuleFiles(mlir.stem, mlir, module_record, vmfb, report))
         target_copy = out / target_name / f"{target_name}.json"
-        write_json_atomic(target_copy, target)
+        shutil.copyfile(targets_dir / f"{target_name}.json", target_copy)  # byte for byte: the lock digests it
         index = out / f"{target_name}.modules.json"
         write_json_atomic(index, {
             "format": 1,

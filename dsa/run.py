@@ -1,9 +1,14 @@
 """dsa-run: run a compiled policy on an observation (or a generated sample) and report its action chunk.
 
     dsa-run --index bazel-bin/models/pi0.modules.json --prompt-len 20 --steps 1 5 10
+    dsa-run --bundle pi0_bundle.tar --steps 1 10     # a release bundle (dsa_bundle), verified first
 
 The runner picks the smallest shape bucket that holds the observation, pads it, runs the requested number
 of flow steps through the one compiled loop, and prints the action chunk and latency percentiles.
+
+With --bundle it first verifies the archive (its sha256 against NAME.sha256 beside it when present, its
+format, every file against bundle.json; see dsa/bundle.py), extracts it to a temporary directory and runs
+the bundle's own module index; a corrupted, truncated or unsupported bundle is refused (exit 2).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ def _load_observation(path: Path) -> dict:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="dsa-run", description=__doc__.splitlines()[0])
-    parser.add_argument("--index", required=True, help="module index (NAME.modules.json) from dsa_vmfb")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--index", help="module index (NAME.modules.json) from dsa_vmfb")
+    source.add_argument("--bundle", help="release bundle (NAME.tar) from dsa_bundle; verified before use")
     parser.add_argument("--observation", help=".npz or .safetensors with one array per input")
     parser.add_argument("--prompt-len", type=int, help="length of the generated sample's bucketed dim")
     parser.add_argument("--steps", type=int, nargs="+", default=None, help="flow steps to run (default: "
@@ -40,7 +47,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated sample")
     a = parser.parse_args(argv)
 
-    policy = CompiledPolicy(Path(a.index))
+    if a.index:
+        _run(a, Path(a.index))
+        return
+    from dsa.bundle import open_bundle, user_path  # only --bundle needs it
+
+    with open_bundle(user_path(a.bundle)) as bundle:
+        print(bundle.describe())
+        _run(a, bundle.index_path)
+
+
+def _run(a: argparse.Namespace, index: Path) -> None:
+    policy = CompiledPolicy(index)
     runtime_view = policy.runtime_view
     record = policy.modules[0].record
     if a.observation:

@@ -23,6 +23,7 @@ load(
     _DsaTargetInfo = "DsaTargetInfo",
 )
 load("//rules/private:vmfb.bzl", _dsa_vmfb = "dsa_vmfb")
+load("//rules/private:bundle.bzl", _dsa_bundle = "dsa_bundle", _dsa_release = "dsa_release")
 
 dsa_model = _dsa_model
 dsa_bucket = _dsa_bucket
@@ -50,3 +51,8 @@ def dsa_runner(name, module, args = [], **kwargs):
         args = ["--index", "$(rootpath :%s)" % index] + args,
         **kwargs
     )
+
+# Release bundles: `dsa_bundle(name, module = ":<dsa_vmfb>")` builds `<name>.tar` + `<name>.sha256`
+# (docs/bundle-format.md); `dsa_release(name, bundle)` is `bazel run :name -- DEST`, which copies both to DEST.
+dsa_bundle = _dsa_bundle
+dsa_release = _dsa_release

@@ -1,0 +1,79 @@
+"""dsa_bundle: a dsa_vmfb's modules, parameters, manifest, lock and evidence as one deterministic archive.
+
+dsa_release: `bazel run :name -- DEST` copies a verified bundle and its .sha256 into DEST."""
+
+load("@rules_python//python:defs.bzl", "py_binary")
+load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS")
+load(":providers.bzl", "DsaModuleInfo")
+
+def _repo_relative(f):
+    """A file's path inside its own repository, the same in every checkout and workspace."""
+    return f.short_path.split("/", 2)[2] if f.short_path.startswith("../") else f.short_path
+
+def _dsa_bundle_impl(ctx):
+    module = ctx.attr.module[DsaModuleInfo]
+    lock = getattr(module, "lock", None)
+    if lock == None:
+        fail("%s: %s provides no recipe lock (DsaModuleInfo.lock); bundle a dsa_vmfb of this rules_dsa" % (
+            ctx.label,
+            ctx.attr.module.label,
+        ))
+    model = module.model
+    archive = ctx.actions.declare_file(ctx.label.name + ".tar")
+    digest = ctx.actions.declare_file(ctx.label.name + ".sha256")
+
+    args = ctx.actions.args()
+    args.add("create")
+    args.add("--lock", lock)
+    args.add("--manifest", model.manifest)
+    args.add("--manifest-source", _repo_relative(model.manifest))
+    args.add("--runtime-view", model.runtime_view)
+    args.add("--target-spec", module.target.spec)
+    args.add("--params", model.params)
+    for vmfb, record, report in zip(module.vmfbs, module.records, module.reports):
+        args.add("--module", "%s=%s,%s,%s" % (vmfb.basename[:-len(".vmfb")], vmfb.path, record.path, report.path))
+    args.add("--out", archive)
+    args.add("--digest", digest)
+    ctx.actions.run(
+        executable = ctx.executable._bundle_tool,
+        arguments = [args],
+        inputs = [lock, model.manifest, model.runtime_view, module.target.spec, model.params, ctx.file._toolchain_identity] +
+                 module.vmfbs + module.records + module.reports,
+        outputs = [archive, digest],
+        mnemonic = "DsaBundle",
+        progress_message = "Bundling %s for release" % ctx.attr.module.label,
+        env = ACTION_ENV,
+    )
+    return [
+        DefaultInfo(files = depset([archive, digest]), runfiles = ctx.runfiles(files = [archive, digest])),
+        OutputGroupInfo(archive = depset([archive]), digest = depset([digest])),
+    ]
+
+dsa_bundle = rule(
+    implementation = _dsa_bundle_impl,
+    doc = """Packs a dsa_vmfb for release: `<name>.tar` and `<name>.sha256` (`<hex>  <name>.tar`).
+
+The archive (docs/bundle-format.md, format 1) holds the vmfbs with their export records and compile reports,
+the parameter archive, the manifest and its runtime view, the target spec, the recipe lock, a build report,
+an in-toto/SLSA provenance statement and bundle.json. Same inputs, same bytes: in any checkout, with any
+output base. `dsa-run --bundle` verifies and runs it, `dsa-diff` compares two.""",
+    attrs = dict(TOOL_ATTRS, **{
+        "module": attr.label(mandatory = True, providers = [DsaModuleInfo], doc = "A dsa_vmfb."),
+        "_bundle_tool": attr.label(default = Label("//dsa:bundle_tool"), executable = True, cfg = "exec"),
+    }),
+)
+
+def dsa_release(name, bundle, **kwargs):
+    """`bazel run :name -- DEST`: verifies `bundle` (a dsa_bundle), then copies its archive and .sha256 into
+    DEST (created if missing; a relative DEST is relative to the directory `bazel run` was started in)."""
+    archive = name + "_archive"
+    native.filegroup(name = archive, srcs = [bundle], output_group = "archive", tags = ["manual"])
+    py_binary(
+        name = name,
+        srcs = [Label("//dsa:bundle.py")],
+        main = Label("//dsa:bundle.py"),
+        deps = [Label("//dsa:bundle")],
+        data = [bundle, ":" + archive],
+        args = ["release", "$(rootpath :%s)" % archive],
+        **kwargs
+    )

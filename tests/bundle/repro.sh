@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Reproducible release bundles: two clones of this repository at different paths, each built with a
+# Bazel output base of its own (so its own Python environment, execroot and action cache), must give
+# //models:pi0_bundle the same sha256. Prints both digests; exits 1, with `dsa diff` of the two bundles,
+# when they differ. Everything it makes (clones, output bases, Bazel servers) is removed at exit.
+#
+#   tests/bundle/repro.sh            # from the repository root; .ci/run calls it
+#
+# It clones the repository's committed HEAD: uncommitted changes are not part of the comparison.
+# Each fresh output base creates the Python environment (~40 s) and builds π0 (~70 s).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+repo=$PWD
+target=//models:pi0_bundle
+work=$(mktemp -d "${TMPDIR:-/tmp}/dsa-bundle-repro.XXXXXX")
+# Different checkout paths (and directory names), different output bases.
+checkouts=("$work/first/rules_dsa" "$work/second/elsewhere/checkout")
+bases=("$work/first/output_base" "$work/second/ob")
+
+cleanup() {
+    local i
+    for i in 0 1; do
+        if [ -x "${checkouts[$i]}/bazelw" ] && [ -d "${bases[$i]}" ]; then
+            (cd "${checkouts[$i]}" &&
+                ./bazelw --output_base="${bases[$i]}" clean --expunge >/dev/null 2>&1 || true
+                ./bazelw --output_base="${bases[$i]}" shutdown >/dev/null 2>&1 || true)
+        fi
+    done
+    chmod -R u+w "$work" 2>/dev/null || true  # Bazel leaves read-only outputs behind
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+digests=()
+for i in 0 1; do
+    checkout=${checkouts[$i]}
+    mkdir -p "$(dirname "$checkout")"
+    git clone --quiet "$repo" "$checkout"
+    echo "repro: building $target in $checkout (output base ${bases[$i]})"
+    start=$(date +%s)
+    (cd "$checkout" && ./bazelw --output_base="${bases[$i]}" build "$target")
+    echo "repro: built in $(($(date +%s) - start)) s"
+    digests+=("$(cat "$checkout/bazel-bin/models/pi0_bundle.sha256")")
+done
+
+echo "repro: ${checkouts[0]}: ${digests[0]}"
+echo "repro: ${checkouts[1]}: ${digests[1]}"
+if [ "${digests[0]}" != "${digests[1]}" ]; then
+    echo "repro: FAILED: the two checkouts built different bundles; what differs:" >&2
+    (cd "${checkouts[0]}" &&
+        "${bases[0]}/external/dsa_python/bin/python3" -m dsa.diff \
+            "${checkouts[0]}/bazel-bin/models/pi0_bundle.tar" "${checkouts[1]}/bazel-bin/models/pi0_bundle.tar" >&2 ||
+        true)
+    exit 1
+fi
+echo "repro: OK: the bundle is byte-identical ($(stat -c %s "${checkouts[0]}/bazel-bin/models/pi0_bundle.tar") bytes)"
