@@ -3,21 +3,12 @@
 dsa_release: `bazel run :name -- DEST` copies a verified bundle and its .sha256 into DEST."""
 
 load("@rules_python//python:defs.bzl", "py_binary")
-load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS")
+load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "repo_relative")
 load(":providers.bzl", "DsaModuleInfo")
-
-def _repo_relative(f):
-    """A file's path inside its own repository, the same in every checkout and workspace."""
-    return f.short_path.split("/", 2)[2] if f.short_path.startswith("../") else f.short_path
 
 def _dsa_bundle_impl(ctx):
     module = ctx.attr.module[DsaModuleInfo]
-    lock = getattr(module, "lock", None)
-    if lock == None:
-        fail("%s: %s provides no recipe lock (DsaModuleInfo.lock); bundle a dsa_vmfb of this rules_dsa" % (
-            ctx.label,
-            ctx.attr.module.label,
-        ))
+    lock = module.lock
     model = module.model
     archive = ctx.actions.declare_file(ctx.label.name + ".tar")
     digest = ctx.actions.declare_file(ctx.label.name + ".sha256")
@@ -26,7 +17,7 @@ def _dsa_bundle_impl(ctx):
     args.add("create")
     args.add("--lock", lock)
     args.add("--manifest", model.manifest)
-    args.add("--manifest-source", _repo_relative(model.manifest))
+    args.add("--manifest-source", repo_relative(model.manifest))
     args.add("--runtime-view", model.runtime_view)
     args.add("--target-spec", module.target.spec)
     args.add("--params", model.params)

@@ -53,6 +53,10 @@ def pythonpath_of(files):
         roots[root or "."] = True
     return sorted(roots.keys())
 
+def repo_relative(f):
+    """A file's path inside its own repository (`dsa/export.py`), the same in every checkout and workspace."""
+    return f.short_path.split("/", 2)[2] if f.short_path.startswith("../") else f.short_path
+
 def relative_path(path, start):
     """`path` relative to directory `start` (both workspace-relative short paths)."""
     p = path.split("/")

@@ -1,11 +1,7 @@
 """dsa_vmfb: exported MLIR → IREE .vmfb for one target, plus the module index the runner loads."""
 
-load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "manifest_view", "relative_path")
+load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "manifest_view", "relative_path", "repo_relative")
 load(":providers.bzl", "DsaBucketInfo", "DsaModelInfo", "DsaModuleInfo", "DsaTargetInfo")
-
-def _repo_relative(f):
-    """A file's path inside its own repository (`dsa/export.py`, in any workspace)."""
-    return f.short_path.split("/", 2)[2] if f.short_path.startswith("../") else f.short_path
 
 def _lock_action(ctx, lock, model, target, compile_view, bucket_views, mlirs, records, vmfbs, reports):
     """DsaLock: digests of every input and output of these modules (see dsa/lock.py)."""
@@ -17,8 +13,8 @@ def _lock_action(ctx, lock, model, target, compile_view, bucket_views, mlirs, re
     args.add("--manifest", model.manifest)
     args.add_all(["%s=%s" % (k, v.path) for k, v in sorted(views.items())], before_each = "--view")
     args.add("--checkpoint", model.checkpoint)
-    args.add_all(["%s=%s" % (_repo_relative(f), f.path) for f in model.own_sources], before_each = "--model-source")
-    args.add_all(["%s=%s" % (_repo_relative(f), f.path) for f in tool_sources], before_each = "--tool-source")
+    args.add_all(["%s=%s" % (repo_relative(f), f.path) for f in model.own_sources], before_each = "--model-source")
+    args.add_all(["%s=%s" % (repo_relative(f), f.path) for f in tool_sources], before_each = "--tool-source")
     args.add("--identity", ctx.file._toolchain_identity)
     args.add("--target-spec", target.spec)
     args.add_all([
