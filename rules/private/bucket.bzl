@@ -1,6 +1,6 @@
 """dsa_bucket: specialises a dynamic dim of an exported model into shape buckets."""
 
-load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "manifest_view")
+load(":common.bzl", "ACTION_ENV", "execution_requirements", "TOOL_ATTRS", "manifest_view")
 load(":providers.bzl", "DsaBucketInfo", "DsaModelInfo")
 
 def _dsa_bucket_impl(ctx):
@@ -37,6 +37,7 @@ def _dsa_bucket_impl(ctx):
             mnemonic = "DsaExport",
             progress_message = "Exporting %s bucket %s[%d]" % (ctx.label, dim, slot),
             env = ACTION_ENV,
+        execution_requirements = execution_requirements(ctx),
         )
         mlirs.append(mlir)
         records.append(record)

@@ -3,7 +3,7 @@
 dsa_release: `bazel run :name -- DEST` copies a verified bundle and its .sha256 into DEST."""
 
 load("@rules_python//python:defs.bzl", "py_binary")
-load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "repo_relative")
+load(":common.bzl", "ACTION_ENV", "execution_requirements", "TOOL_ATTRS", "repo_relative")
 load(":providers.bzl", "DsaModuleInfo")
 
 def _dsa_bundle_impl(ctx):
@@ -34,6 +34,7 @@ def _dsa_bundle_impl(ctx):
         mnemonic = "DsaBundle",
         progress_message = "Bundling %s for release" % ctx.attr.module.label,
         env = ACTION_ENV,
+        execution_requirements = execution_requirements(ctx),
     )
     return [
         DefaultInfo(files = depset([archive, digest]), runfiles = ctx.runfiles(files = [archive, digest])),

@@ -19,6 +19,15 @@ ACTION_ENV = {
     "OMP_NUM_THREADS": "1",
 }
 
+# Tags that say where an action may run or be cached. Bazel 4.2.3 hands a target's tags to its actions only
+# with --experimental_allow_tags_propagation; the rules forward these themselves, so
+# `tags = ["no-remote-cache"]` on a dsa_* target works on every Bazel.
+_EXECUTION_TAGS = ["no-cache", "no-remote", "no-remote-cache", "no-remote-exec", "no-sandbox", "local"]
+
+def execution_requirements(ctx):
+    """The target's execution tags, as an action's execution_requirements."""
+    return {tag: "" for tag in ctx.attr.tags if tag in _EXECUTION_TAGS}
+
 def manifest_view(ctx, manifest, view, out, target = None, bucket = None):
     """Declares the small DsaManifest action that validates `manifest` and writes one projection."""
     known = ctx.files._known_targets
@@ -41,6 +50,7 @@ def manifest_view(ctx, manifest, view, out, target = None, bucket = None):
         mnemonic = "DsaManifest",
         progress_message = "Validating %s: %s view of %s" % (ctx.label, view, manifest.short_path),
         env = ACTION_ENV,
+        execution_requirements = execution_requirements(ctx),
     )
 
 def pythonpath_of(files):

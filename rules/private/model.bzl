@@ -1,7 +1,7 @@
 """dsa_model: checkpoint + manifest + model code → exported MLIR, export record and parameter archive."""
 
 load("@rules_python//python:defs.bzl", "PyInfo")
-load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "manifest_view", "pythonpath_of")
+load(":common.bzl", "ACTION_ENV", "execution_requirements", "TOOL_ATTRS", "manifest_view", "pythonpath_of")
 load(":providers.bzl", "DsaModelInfo")
 
 # rules_dsa's own `dsa` package: model code imports dsa.spec, but it is tool code, recorded as such in
@@ -52,6 +52,7 @@ def _dsa_model_impl(ctx):
         mnemonic = "DsaExport",
         progress_message = "Exporting %s to torch-dialect MLIR" % ctx.label,
         env = ACTION_ENV,
+        execution_requirements = execution_requirements(ctx),
     )
 
     params = _out(ctx, "params.irpa")
@@ -69,6 +70,7 @@ def _dsa_model_impl(ctx):
         mnemonic = "DsaParams",
         progress_message = "Checking %s and writing its parameter archive" % ctx.file.checkpoint.short_path,
         env = ACTION_ENV,
+        execution_requirements = execution_requirements(ctx),
     )
 
     return [
@@ -127,6 +129,7 @@ def _dsa_checkpoint_impl(ctx):
         mnemonic = "DsaCheckpoint",
         progress_message = "Generating seeded checkpoint %s" % out.short_path,
         env = ACTION_ENV,
+        execution_requirements = execution_requirements(ctx),
     )
     return [DefaultInfo(files = depset([out]))]
 

@@ -1,6 +1,6 @@
 """dsa_vmfb: exported MLIR → IREE .vmfb for one target, plus the module index the runner loads."""
 
-load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "manifest_view", "relative_path", "repo_relative")
+load(":common.bzl", "ACTION_ENV", "execution_requirements", "TOOL_ATTRS", "manifest_view", "relative_path", "repo_relative")
 load(":providers.bzl", "DsaBucketInfo", "DsaModelInfo", "DsaModuleInfo", "DsaTargetInfo")
 
 def _lock_action(ctx, lock, model, target, compile_view, bucket_views, mlirs, records, vmfbs, reports):
@@ -34,6 +34,7 @@ def _lock_action(ctx, lock, model, target, compile_view, bucket_views, mlirs, re
         mnemonic = "DsaLock",
         progress_message = "Writing the recipe lock %s" % lock.short_path,
         env = ACTION_ENV,
+        execution_requirements = execution_requirements(ctx),
     )
 
 def _dsa_vmfb_impl(ctx):
@@ -74,6 +75,7 @@ def _dsa_vmfb_impl(ctx):
             mnemonic = "DsaCompile",
             progress_message = "Compiling %s for %s" % (mlir.short_path, target.name),
             env = ACTION_ENV,
+        execution_requirements = execution_requirements(ctx),
         )
         vmfbs.append(vmfb)
         reports.append(report)
