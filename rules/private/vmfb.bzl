@@ -80,6 +80,11 @@ def _dsa_vmfb_impl(ctx):
         vmfbs.append(vmfb)
         reports.append(report)
 
+    # The target spec beside the modules (a symlink), so the index resolves from bazel-bin as well as from
+    # runfiles (a source file is not under bazel-bin).
+    spec = ctx.actions.declare_file("%s/%s.json" % (name, target.name))
+    ctx.actions.symlink(output = spec, target_file = target.spec)
+
     # The index is analysis-time data (file names only), so it needs no action of its own.
     index = ctx.actions.declare_file(name + ".modules.json")
     base = index.short_path.rpartition("/")[0]
@@ -89,7 +94,7 @@ def _dsa_vmfb_impl(ctx):
         parameter_archive = relative_path(model.params.short_path, base),
         parameter_scope = "model",
         runtime_view = relative_path(model.runtime_view.short_path, base),
-        target_spec = relative_path(target.spec.short_path, base),
+        target_spec = relative_path(spec.short_path, base),
         modules = [
             struct(vmfb = relative_path(v.short_path, base), record = relative_path(r.short_path, base))
             for v, r in zip(vmfbs, records)
@@ -99,7 +104,7 @@ def _dsa_vmfb_impl(ctx):
     lock = ctx.actions.declare_file(name + ".lock.json")
     _lock_action(ctx, lock, model, target, view, bucket_views, mlirs, records, vmfbs, reports)
 
-    files = vmfbs + reports + records + [index, lock, model.params, model.runtime_view, target.spec]
+    files = vmfbs + reports + records + [index, lock, model.params, model.runtime_view, spec]
     return [
         DefaultInfo(files = depset(files), runfiles = ctx.runfiles(files = files)),
         DsaModuleInfo(

@@ -317,6 +317,9 @@ def test_build_produces_vmfb_per_bucket_and_param_archive(ws):
     index = json.loads(ws.index.read_text())
     base = ws.index.parent
     assert (base / index["parameter_archive"]).resolve() == ws.irpa.resolve()
+    # Every file the index names resolves from bazel-bin itself (not only from a runfiles tree).
+    for key in ("target_spec", "runtime_view"):
+        assert (base / index[key]).is_file(), key
     assert [(base / m["vmfb"]).resolve() for m in index["modules"]] == [v.resolve() for v in ws.vmfbs]
     sizes = [json.loads((base / m["record"]).read_text())["bucket"]["size"] for m in index["modules"]]
     assert sizes == BUCKETS
