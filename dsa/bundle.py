@@ -31,11 +31,10 @@ import json
 import os
 import re
 import shutil
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsa.errors import DsaError, run_cli
 from dsa.fileio import atomic_output, canonical_json, read_json, sha256_file

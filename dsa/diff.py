@@ -24,8 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional
 
 from dsa import bundle as B
 from dsa.bundle import OpenedBundle, open_bundle, user_path
@@ -296,7 +295,7 @@ def format_text(result: Dict[str, Any]) -> str:
     if "target_spec" in inputs:
         t = inputs["target_spec"]
         detail = "; ".join(f"{k} {' '.join(t['flags'].get(k, []))}" for k in ("added", "removed") if t["flags"].get(k))
-        lines.append(f"  target spec: changed" + (f" (flags {detail})" if detail else ""))
+        lines.append("  target spec: changed" + (f" (flags {detail})" if detail else ""))
     for name, change in inputs.get("flags", {}).items():
         detail = "; ".join(f"{k} {' '.join(change.get(k, []))}" for k in ("added", "removed") if change.get(k))
         lines.append(f"  compile flags of {name}: {detail or 'reordered'}")

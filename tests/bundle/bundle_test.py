@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import shutil
 import tarfile
 
 import pytest

@@ -3,7 +3,6 @@ one message, no traceback)."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest

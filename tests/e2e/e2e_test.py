@@ -12,7 +12,6 @@ nothing and is not in the log.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import os
@@ -24,9 +23,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Counter, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import pytest
+
+from dsa.execlog import executed_mnemonics, read_execution_log
 
 RUNFILES = Path(os.environ["TEST_SRCDIR"]) / os.environ["TEST_WORKSPACE"]
 TEMPLATE = RUNFILES / "tests" / "e2e" / "workspace"
@@ -51,27 +52,6 @@ RULE_SET_ROOT_FILES = [
 
 # ---------------------------------------------------------------------------------------------------------
 # Helpers
-
-
-def read_execution_log(path: Path) -> List[dict]:
-    """The entries of a `--execution_log_json_file`: concatenated JSON objects, not a JSON list."""
-    if not path.exists():
-        return []
-    text = path.read_text(encoding="utf-8")
-    decoder = json.JSONDecoder()
-    entries, pos = [], 0
-    while True:
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
-        if pos == len(text):
-            return entries
-        entry, pos = decoder.raw_decode(text, pos)
-        entries.append(entry)
-
-
-def executed_mnemonics(log: List[dict]) -> Counter[str]:
-    """Mnemonic → number of spawns that actually ran (not served from a cache)."""
-    return collections.Counter(e.get("mnemonic", "?") for e in log if not e.get("cacheHit", False))
 
 
 def sha256(path: Path) -> str:

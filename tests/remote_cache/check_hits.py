@@ -25,26 +25,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import re
 import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for dsa.execlog
+from dsa.execlog import read_execution_log  # noqa: E402  (standard library only)
+
 PREFIX = "Dsa"
-
-
-def read_log(path: Path) -> List[dict]:
-    text = path.read_text(encoding="utf-8")
-    decoder = json.JSONDecoder()
-    entries, pos = [], 0
-    while True:
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
-        if pos == len(text):
-            return entries
-        entry, pos = decoder.raw_decode(text, pos)
-        entries.append(entry)
 
 
 def is_dsa(spawn: dict) -> bool:
@@ -178,7 +167,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.exec_log.exists():
         print(f"check_hits: {label}FAILED: no execution log at {args.exec_log} (did the build run?)")
         return 1
-    spawns = read_log(args.exec_log)
+    spawns = read_execution_log(args.exec_log)
     dsa = [s for s in spawns if is_dsa(s)]
     hits = [s for s in dsa if s.get("remoteCacheHit")]
     if args.counts:
@@ -202,7 +191,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     problems: List[str] = []
     reference: Dict[Tuple[str, ...], dict] = {}
     if args.reference:
-        reference = {key_of(s): s for s in read_log(args.reference) if is_dsa(s)}
+        reference = {key_of(s): s for s in read_execution_log(args.reference) if is_dsa(s)}
         if not reference:
             problems.append(f"the reference log {args.reference} has no Dsa actions")
         present = {key_of(s) for s in dsa}
