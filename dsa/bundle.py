@@ -38,10 +38,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsa.errors import DsaError, run_cli
 from dsa.fileio import atomic_output, canonical_json, read_json, sha256_file
+from dsa.lock import LOCK_FORMAT
+from dsa.runtime import INDEX_FORMAT, read_module_index
 
 BUNDLE_FORMAT = 1
-LOCK_FORMAT = 1
-INDEX_FORMAT = 1
 BUILD_REPORT_FORMAT = 1
 
 # Fixed member metadata. The mtime is rules_pkg's "portable" 2000-01-01T00:00:00Z: a constant that every
@@ -336,10 +336,7 @@ def inputs_from_index(index: Path, *, lock: Optional[Path] = None, target_spec: 
     or `dsa-compile`'s TARGET.modules.json): each module's compile report lies beside its vmfb, the lock
     beside the index (NAME.lock.json) unless given. The manifest is not in the index: pass it as well."""
     index = Path(index)
-    data = read_json(index)
-    if data.get("format") != INDEX_FORMAT:
-        raise DsaError(str(index), f"module index format {data.get('format')} is not supported",
-                       f"this release reads format {INDEX_FORMAT}")
+    data = read_module_index(index)
     base = index.parent
     stem = index.name[:-len(".modules.json")] if index.name.endswith(".modules.json") else index.stem
     modules = []

@@ -41,13 +41,19 @@ class Module:
         return sizes.get(self.bucket["dim"], 0) <= self.bucket["size"]
 
 
+def read_module_index(path: Path) -> dict:
+    """A module index, refused unless its format is the one this release reads."""
+    index = read_json(path)
+    if index.get("format") != INDEX_FORMAT:
+        raise DsaError(str(path), f"module index format {index.get('format')} is not supported",
+                       f"this release reads format {INDEX_FORMAT}")
+    return index
+
+
 class CompiledPolicy:
     def __init__(self, index_path: Path, driver: Optional[str] = None):
         index_path = Path(index_path)
-        index = read_json(index_path)
-        if index.get("format") != INDEX_FORMAT:
-            raise DsaError(str(index_path), f"module index format {index.get('format')} is not supported",
-                           f"this release reads format {INDEX_FORMAT}")
+        index = read_module_index(index_path)
         base = index_path.parent
         self.index = index
         self.target_spec = read_json(base / index["target_spec"])
