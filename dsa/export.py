@@ -161,18 +161,40 @@ def _for_signature(module, dynamic):
     return dynamic
 
 
-def export_model(
+@dataclasses.dataclass
+class Traced:
+    """A model traced by torch.export for one set of dims, after the manifest's graph rewrites."""
+
+    spec: ExportSpec
+    module: object            # the eval() nn.Module, parameters externalised
+    exported: object          # torch.export.ExportedProgram
+    traced_inputs: List[InputSpec]  # spec.inputs with the bucketed dim made static
+    minimums: Dict[str, int]
+    dim_names: List[str]
+    static: set
+    quantized: dict
+    rewrites: Dict[str, int]  # rewrite pass → number of rewrites it made
+    where: str
+
+
+def rewrite_names(view: dict) -> List[str]:
+    """The graph rewrites the export view asks for (`model.rewrites`), or dsa.passes' defaults."""
+    from dsa import passes
+
+    names = view["model"].get("rewrites")
+    return list(passes.DEFAULT_PASSES if names is None else names)
+
+
+def trace_model(
     view: dict,
-    out_mlir: Path,
-    out_record: Path,
     *,
     bucket: Optional[dict] = None,
-    reference_record: Optional[dict] = None,
-    sources: Union[Sequence[str], Mapping[str, str]] = (),
     pythonpath: Sequence[str] = (),
     manifest_name: str = "manifest",
-) -> dict:
-    """Exports the model that `view["model"]["entry_point"]` builds. Returns the export record."""
+    rewrites: Optional[Sequence[str]] = None,
+) -> Traced:
+    """Builds the model the export view names, traces it with torch.export (dynamic dims dynamic, a bucket's
+    dim fixed) and applies the graph rewrites (`rewrites`, default: the view's)."""
     import numpy as np
     import torch
     from iree.turbine import aot
@@ -227,6 +249,36 @@ def export_model(
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DsaError(where, f"torch.export failed: {type(e).__name__}: {first}",
                        "make the model traceable by torch.export (see the message above)") from None
+    names_to_apply = rewrite_names(view) if rewrites is None else list(rewrites)
+    counts: Dict[str, int] = {}
+    if names_to_apply:
+        from dsa import passes
+
+        exported, counts = passes.apply_passes(exported, names_to_apply)
+    return Traced(spec, module, exported, traced, minimums, names, static, quantized, counts, where)
+
+
+def export_model(
+    view: dict,
+    out_mlir: Path,
+    out_record: Path,
+    *,
+    bucket: Optional[dict] = None,
+    reference_record: Optional[dict] = None,
+    sources: Union[Sequence[str], Mapping[str, str]] = (),
+    pythonpath: Sequence[str] = (),
+    manifest_name: str = "manifest",
+    rewrites: Optional[Sequence[str]] = None,
+) -> dict:
+    """Exports the model that `view["model"]["entry_point"]` builds. Returns the export record."""
+    import numpy as np
+    import torch
+    from iree.turbine import aot
+
+    t = trace_model(view, bucket=bucket, pythonpath=pythonpath, manifest_name=manifest_name,
+                    rewrites=rewrites)
+    spec, module, exported, traced = t.spec, t.module, t.exported, t.traced_inputs
+    minimums, names, static, quantized, where = t.minimums, t.dim_names, t.static, t.quantized, t.where
 
     output = aot.export(exported)
     mlir = str(output.mlir_module)
@@ -297,6 +349,7 @@ def export_model(
             "iree-base-compiler": _version("iree-base-compiler"),
         },
     }
+    record["rewrites"] = t.rewrites
     if quantized:
         record["quantization"] = {"scheme": view["quant_scheme"], "tensors": quantized}
     if bucket is not None:

@@ -1,0 +1,507 @@
+"""The FX rewrites of dsa.passes: each finds its pattern (and only it), and the rewritten program computes
+what the eager module computes (fp32, max |difference| <= 1e-5 x max |output| unless stated); one small
+model with every pattern still imports with aot.export, compiles with iree-compile and runs like eager.
+
+Programs are exported as dsa.export does: eval module, parameters externalised, strict=False."""
+
+import math
+import subprocess
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dsa.errors import DsaError
+from dsa.passes import DEFAULT_PASSES, PASSES, apply_passes
+
+aten = torch.ops.aten
+RTOL = 1e-5
+
+
+def _export(module, args, dynamic_shapes=None):
+    from iree.turbine import aot
+
+    module = module.eval()
+    aot.externalize_module_parameters(module, external_scope="model")
+    with torch.no_grad():
+        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+
+
+def _targets(program):
+    return [n.target for m in program.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
+            for n in m.graph.nodes if n.op == "call_function"]
+
+
+def _assert_matches_eager(module, program, args, rtol=RTOL):
+    with torch.no_grad():
+        want = module(*args)
+        got = program.module()(*args)
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert err <= rtol * scale, f"max |rewritten - eager| = {err:.3g} > {rtol} x {scale:.3g}"
+
+
+def _rewrite(module, args, name, dynamic_shapes=None):
+    torch.manual_seed(0)
+    program = _export(module, args, dynamic_shapes)
+    rewritten, counts = apply_passes(program, [name])
+    assert set(counts) == {name}
+    return program, rewritten, counts[name]
+
+
+# -- registry ------------------------------------------------------------------------------------------
+
+
+def test_unknown_rewrite_name_raises_dsa_error_naming_it_and_the_known_ones():
+    program = _export(nn.Linear(2, 2), (torch.randn(1, 2),))
+    with pytest.raises(DsaError) as e:
+        apply_passes(program, ["fold_batchnorm", "no_such_rewrite"])
+    assert e.value.where == "model.rewrites"
+    assert "unknown rewrite 'no_such_rewrite'" in str(e.value)
+    assert all(name in e.value.hint for name in PASSES)
+
+
+def test_every_pass_is_documented_and_defaults_are_registered_passes():
+    for name, p in PASSES.items():
+        assert p.name == name and len(p.doc) > 200, name
+        assert "Why" in p.doc, name
+    assert set(DEFAULT_PASSES) <= set(PASSES)
+    # Measured ~10x slower on IREE 3.13 llvm-cpu: opt-in, not default.
+    assert "attention_to_sdpa" not in DEFAULT_PASSES
+
+
+def test_rewriting_leaves_the_input_program_and_signature_intact():
+    class ConvLast(nn.Module):  # the rewritten node is the program's output
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 4, stride=4)
+
+        def forward(self, x):
+            return self.conv(x)
+
+    module, args = ConvLast(), (torch.randn(1, 3, 8, 8),)
+    program, rewritten, count = _rewrite(module, args, "patchify_conv_to_matmul")
+    assert count == 1
+    assert aten.conv2d.default in _targets(program)  # the input program is untouched
+    assert aten.conv2d.default not in _targets(rewritten)
+    assert rewritten.graph_signature.input_specs == program.graph_signature.input_specs
+    assert list(rewritten.state_dict) == list(program.state_dict)
+    _assert_matches_eager(module, rewritten, args)
+
+
+# -- bool_and_to_logical_and ---------------------------------------------------------------------------
+
+
+class BoolAnd(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x, a, b):
+        return torch.where(self.op(a, b), x, -x)
+
+
+@pytest.mark.parametrize("op", [lambda a, b: a & b, torch.bitwise_and, lambda a, b: a ^ b],
+                         ids=["__and__", "bitwise_and", "__xor__"])
+def test_bool_and_becomes_logical_and_and_matches_eager(op):
+    args = (torch.randn(2, 5), torch.rand(2, 5) > 0.5, torch.rand(1, 5) > 0.5)  # broadcasting operands
+    module = BoolAnd(op)
+    _, rewritten, count = _rewrite(module, args, "bool_and_to_logical_and")
+    assert count == 1
+    targets = _targets(rewritten)
+    assert aten.logical_and.default in targets or aten.logical_xor.default in targets
+    assert not {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.__xor__.Tensor} & set(targets)
+    _assert_matches_eager(module, rewritten, args, rtol=0)
+
+
+def test_integer_and_is_left_alone():
+    class IntAnd(nn.Module):
+        def forward(self, a, b):
+            return a & b
+
+    args = (torch.randint(0, 16, (4,)), torch.randint(0, 16, (4,)))
+    _, rewritten, count = _rewrite(IntAnd(), args, "bool_and_to_logical_and")
+    assert count == 0
+    assert aten.__and__.Tensor in _targets(rewritten)
+
+
+def test_bool_and_inside_a_while_loop_body_is_rewritten():
+    from torch._higher_order_ops.while_loop import while_loop
+
+    class Loop(nn.Module):
+        def forward(self, x, mask):
+            def cond(i, y):
+                return i < 3
+
+            def body(i, y):
+                keep = (y > 0) & mask
+                return i + 1, torch.where(keep, y * 0.5, y + 1.0)
+
+            return while_loop(cond, body, (torch.zeros((), dtype=torch.int64), x))[1]
+
+    args = (torch.randn(2, 6), torch.rand(2, 6) > 0.3)
+    module = Loop()
+    _, rewritten, count = _rewrite(module, args, "bool_and_to_logical_and")
+    assert count == 1
+    assert aten.__and__.Tensor not in _targets(rewritten)
+    _assert_matches_eager(module, rewritten, args, rtol=0)
+
+
+# -- fold_batchnorm ------------------------------------------------------------------------------------
+
+
+class ConvBN(nn.Module):
+    def __init__(self, bias, kernel=3, stride=1, affine=True):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 6, kernel, stride=stride, padding=kernel // 2, bias=bias)
+        self.bn = nn.BatchNorm2d(6, affine=affine)
+        with torch.no_grad():  # non-trivial statistics, as after training
+            self.bn.running_mean.uniform_(-1, 1)
+            self.bn.running_var.uniform_(0.3, 2.0)
+            if affine:
+                self.bn.weight.uniform_(0.5, 1.5)
+                self.bn.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["conv_without_bias", "conv_with_bias"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no_affine"])
+def test_fold_batchnorm_makes_one_conv_matching_eager(bias, affine):
+    torch.manual_seed(0)
+    module, args = ConvBN(bias, affine=affine), (torch.randn(2, 4, 10, 10),)
+    _, rewritten, count = _rewrite(module, args, "fold_batchnorm")
+    assert count == 1
+    targets = _targets(rewritten)
+    assert aten.batch_norm.default not in targets and targets.count(aten.conv2d.default) == 1
+    _assert_matches_eager(module, rewritten, args)
+
+
+def test_fold_batchnorm_with_dynamic_batch():
+    torch.manual_seed(0)
+    module, args = ConvBN(True, kernel=1, stride=2), (torch.randn(3, 4, 8, 8),)
+    dims = ({0: torch.export.Dim("batch", min=1, max=64)},)
+    _, rewritten, count = _rewrite(module, args, "fold_batchnorm", dims)
+    assert count == 1
+    _assert_matches_eager(module, rewritten, (torch.randn(5, 4, 8, 8),))
+
+
+def test_fold_batchnorm_matches_core_aten_native_batch_norm():
+    torch.manual_seed(0)
+    module, args = ConvBN(False), (torch.randn(1, 4, 6, 6),)
+    program = _export(module, args).run_decompositions()
+    assert aten._native_batch_norm_legit_no_training.default in _targets(program)
+    rewritten, counts = apply_passes(program, ["fold_batchnorm"])
+    assert counts == {"fold_batchnorm": 1}
+    assert aten._native_batch_norm_legit_no_training.default not in _targets(rewritten)
+    _assert_matches_eager(module, rewritten, args)
+
+
+def test_fold_batchnorm_skips_batch_norm_not_fed_by_a_convolution_alone():
+    class Shared(nn.Module):  # the conv output is also read elsewhere; BN after a ReLU
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+            self.bn1, self.bn2 = nn.BatchNorm2d(4), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return self.bn1(y) + y, self.bn2(torch.relu(x))
+
+    _, rewritten, count = _rewrite(Shared(), (torch.randn(1, 4, 5, 5),), "fold_batchnorm")
+    assert count == 0
+    assert _targets(rewritten).count(aten.batch_norm.default) == 2
+
+
+# -- patchify_conv_to_matmul ---------------------------------------------------------------------------
+
+
+class Conv(nn.Module):
+    def __init__(self, cin, cout, kernel, stride, bias=True, tokens=False):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, kernel, stride=stride, bias=bias)
+        self.tokens = tokens
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y.flatten(2).transpose(1, 2) if self.tokens else torch.relu(y)
+
+
+@pytest.mark.parametrize(
+    "kernel,stride,shape,bias",
+    [
+        (16, 16, (2, 3, 64, 64), True),  # ViT patch embedding
+        (16, 16, (1, 3, 32, 48), False),
+        (1, 2, (2, 8, 12, 12), False),  # ResNet 1x1 stride-2 downsample
+        (1, 2, (1, 8, 7, 9), True),  # odd sizes: ceil(H/2) rows
+        (2, 2, (1, 4, 9, 7), True),  # rows/columns the conv does not reach are dropped
+        ((2, 4), (2, 4), (1, 4, 8, 8), True),  # non-square patches
+    ],
+    ids=["16x16s16_bias", "16x16s16_nobias", "1x1s2_nobias", "1x1s2_odd_bias", "2x2s2_ragged", "2x4s2x4"],
+)
+def test_patchify_conv_to_matmul_replaces_the_conv_and_matches_eager(kernel, stride, shape, bias):
+    torch.manual_seed(0)
+    module, args = Conv(shape[1], 16, kernel, stride, bias), (torch.randn(*shape),)
+    _, rewritten, count = _rewrite(module, args, "patchify_conv_to_matmul")
+    assert count == 1
+    targets = _targets(rewritten)
+    assert aten.conv2d.default not in targets
+    assert aten.mm.default in targets or aten.matmul.default in targets
+    _assert_matches_eager(module, rewritten, args)
+
+
+@pytest.mark.parametrize("kernel,stride", [(16, 16), (1, 2)])
+def test_patchify_with_dynamic_batch_keeps_it_dynamic(kernel, stride):
+    torch.manual_seed(0)
+    module = Conv(3, 8, kernel, stride, tokens=True)
+    dims = ({0: torch.export.Dim("batch", min=1, max=64)},)
+    _, rewritten, count = _rewrite(module, (torch.randn(2, 3, 32, 32),), "patchify_conv_to_matmul", dims)
+    assert count == 1
+    _assert_matches_eager(module, rewritten, (torch.randn(3, 3, 32, 32),))
+
+
+def test_patchify_skips_a_conv_with_dynamic_spatial_dims():
+    module = Conv(3, 8, 4, 4)
+    dims = ({2: torch.export.Dim("h", min=2, max=64) * 4},)
+    _, rewritten, count = _rewrite(module, (torch.randn(1, 3, 16, 16),), "patchify_conv_to_matmul", dims)
+    assert count == 0
+    _assert_matches_eager(module, rewritten, (torch.randn(1, 3, 24, 16),))
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(4, 8, 3, stride=2), nn.Conv2d(4, 8, 1),
+     nn.Conv2d(4, 8, 2, stride=2, padding=1), nn.Conv2d(4, 8, 2, stride=2, groups=2),
+     nn.Conv2d(4, 8, 2, stride=1)],
+    ids=["3x3s1p1", "3x3s2", "1x1s1", "2x2s2_padded", "2x2s2_grouped", "2x2s1_overlapping"],
+)
+def test_patchify_leaves_other_convolutions_alone(conv):
+    _, rewritten, count = _rewrite(conv, (torch.randn(1, 4, 8, 8),), "patchify_conv_to_matmul")
+    assert count == 0
+    assert aten.conv2d.default in _targets(rewritten)
+
+
+# -- attention_to_sdpa ---------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Decomposed multi-head attention over x[B, L, D] with an optional mask input, in several spellings."""
+
+    def __init__(self, mask, spelling="div", d=32, heads=4):
+        super().__init__()
+        self.mask, self.spelling, self.heads = mask, spelling, heads
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x, m=None):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        hd = d // self.heads
+        if self.spelling == "div":
+            s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(hd)
+        elif self.spelling == "mul":
+            s = (q @ k.transpose(2, 3)) * hd ** -0.5
+        else:  # "mask_then_scale": mask first, scale after
+            s = q @ k.permute(0, 1, 3, 2)
+        if self.mask == "bool_masked_fill":
+            s = s.masked_fill(~m[:, None], float("-inf"))
+        elif self.mask == "bool_where":
+            s = torch.where(m[:, None], s, torch.finfo(s.dtype).min)
+        elif self.mask == "float":
+            s = s + m[:, None]
+        elif self.mask == "bool_and":  # LeRobot style: pad & causal, filled with a finite big negative
+            causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+            s = torch.where((causal[None] & m[:, None, :])[:, None], s, -2.3819763e38)
+        if self.spelling == "mask_then_scale":
+            s = s * hd ** -0.5
+        p = F.dropout(torch.softmax(s, dim=-1), 0.1, self.training)
+        return self.out((p @ v).transpose(1, 2).reshape(b, n, d))
+
+
+def _mask(kind, b, n):
+    g = torch.Generator().manual_seed(1)
+    if kind == "float":
+        return torch.randn(b, n, n, generator=g)
+    if kind == "bool_and":
+        keep = torch.ones(b, n, dtype=torch.bool)
+        keep[:, -2:] = False
+        return keep
+    m = torch.rand(b, n, n, generator=g) > 0.4
+    m[..., 0] = True  # no fully-masked row (eager gives NaN there with -inf)
+    return m
+
+
+@pytest.mark.parametrize(
+    "mask,spelling",
+    [("none", "div"), ("none", "mul"), ("bool_masked_fill", "div"), ("bool_where", "mul"), ("float", "div"),
+     ("float", "mask_then_scale"), ("bool_masked_fill", "mask_then_scale"), ("bool_and", "div")],
+)
+def test_attention_to_sdpa_makes_one_sdpa_matching_eager(mask, spelling):
+    torch.manual_seed(0)
+    module = Attention(mask, spelling)
+    x = torch.randn(2, 8, 32)
+    args = (x,) if mask == "none" else (x, _mask(mask, 2, 8))
+    _, rewritten, count = _rewrite(module, args, "attention_to_sdpa")
+    assert count == 1
+    targets = _targets(rewritten)
+    assert aten.scaled_dot_product_attention.default in targets
+    assert aten.softmax.int not in targets and aten.matmul.default not in targets
+    _assert_matches_eager(module, rewritten, args)
+
+
+def test_attention_to_sdpa_with_dynamic_sequence_length():
+    torch.manual_seed(0)
+    module = Attention("bool_masked_fill")
+    seq = torch.export.Dim("seq", min=2, max=256)
+    dims = ({1: seq}, {1: seq, 2: seq})
+    args = (torch.randn(1, 8, 32), _mask("bool_masked_fill", 1, 8))
+    _, rewritten, count = _rewrite(module, args, "attention_to_sdpa", dims)
+    assert count == 1
+    _assert_matches_eager(module, rewritten, (torch.randn(1, 13, 32), _mask("bool_masked_fill", 1, 13)))
+
+
+def test_attention_whose_weights_are_also_returned_is_left_alone():
+    class Both(nn.Module):
+        def forward(self, q, k, v):
+            p = torch.softmax(q @ k.transpose(-2, -1) * 0.5, dim=-1)
+            return p @ v, p
+
+    args = tuple(torch.randn(1, 2, 4, 8) for _ in range(3))
+    _, rewritten, count = _rewrite(Both(), args, "attention_to_sdpa")
+    assert count == 0
+    assert aten.softmax.int in _targets(rewritten)
+
+
+def test_softmax_over_a_non_last_dim_is_left_alone():
+    class Cols(nn.Module):
+        def forward(self, q, k, v):
+            return torch.softmax(q @ k.transpose(-2, -1), dim=-2) @ v
+
+    args = tuple(torch.randn(1, 2, 4, 8) for _ in range(3))
+    _, _, count = _rewrite(Cols(), args, "attention_to_sdpa")
+    assert count == 0
+
+
+# -- decompose_attention ---------------------------------------------------------------------------------
+
+
+class Sdpa(nn.Module):
+    def __init__(self, mask, scale=None, causal=False):
+        super().__init__()
+        self.mask, self.scale, self.causal = mask, scale, causal
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x, keep):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, 4, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        mask = None
+        if self.mask == "float":
+            mask = ((1.0 - keep.float()) * -1e9).reshape(b, 1, 1, n)
+        elif self.mask == "bool":
+            mask = keep.reshape(b, 1, 1, n)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, is_causal=self.causal)
+
+
+@pytest.mark.parametrize("mask", [None, "float", "bool"])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_decompose_attention_replaces_sdpa_by_matmul_softmax_matmul_matching_eager(mask, scale):
+    torch.manual_seed(0)
+    module = Sdpa(mask, scale).eval()
+    keep = torch.ones(2, 12, dtype=torch.bool)
+    keep[0, -4:] = False
+    args = (torch.randn(2, 12, 32), keep)
+    _, rewritten, count = _rewrite(module, args, "decompose_attention")
+    assert count == 1
+    targets = _targets(rewritten)
+    assert aten.scaled_dot_product_attention.default not in targets
+    assert targets.count(aten.matmul.default) == 2 and aten._softmax.default in targets
+    _assert_matches_eager(module, rewritten, args)
+
+
+def test_decompose_attention_with_dynamic_sequence_length():
+    torch.manual_seed(0)
+    module = Sdpa("float").eval()
+    seq = torch.export.Dim("seq", min=2, max=64)
+    args = (torch.randn(1, 16, 32), torch.ones(1, 16, dtype=torch.bool))
+    _, rewritten, count = _rewrite(module, args, "decompose_attention", dynamic_shapes=({1: seq}, {1: seq}))
+    assert count == 1
+    longer = (torch.randn(1, 40, 32), torch.ones(1, 40, dtype=torch.bool))
+    _assert_matches_eager(module, rewritten, longer)
+
+
+def test_decompose_attention_leaves_causal_attention_fused():
+    module = Sdpa(None, causal=True).eval()
+    _, rewritten, count = _rewrite(module, (torch.randn(1, 8, 32), torch.ones(1, 8, dtype=torch.bool)),
+                                   "decompose_attention")
+    assert count == 0 and aten.scaled_dot_product_attention.default in _targets(rewritten)
+
+
+# -- end to end ----------------------------------------------------------------------------------------
+
+
+class Policy(nn.Module):
+    """Every pattern once: patch embedding, conv + BN, 1x1 stride-2 conv, bool-& masked attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.down = nn.Conv2d(8, 16, 1, stride=2)
+        self.patch = nn.Conv2d(16, 32, 4, stride=4)
+        self.attn = Attention("bool_and", "div")
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-1, 1)
+            self.bn.running_var.uniform_(0.5, 2)
+
+    def forward(self, image, keep):
+        y = self.patch(self.down(torch.relu(self.bn(self.stem(image)))))
+        tokens = y.flatten(2).transpose(1, 2)
+        return self.attn(tokens, keep)
+
+
+def test_rewritten_program_imports_compiles_and_runs_like_eager(tmp_path):
+    import iree.runtime as rt
+    from iree.compiler.tools.binaries import find_tool
+    from iree.turbine import aot
+
+    from dsa import importer_fixes
+
+    importer_fixes.apply()
+    torch.manual_seed(0)
+    module = Policy().eval()
+    image, keep = torch.randn(1, 3, 32, 32), torch.ones(1, 16, dtype=torch.bool)
+    keep[:, -3:] = False
+    with torch.no_grad():
+        want = module(image, keep).numpy()
+    program = _export(module, (image, keep))
+    rewritten, counts = apply_passes(program, list(PASSES))
+    # attention_to_sdpa makes one SDPA; decompose_attention (its inverse, later in the order) takes it apart.
+    assert counts == {"bool_and_to_logical_and": 1, "fold_batchnorm": 1, "patchify_conv_to_matmul": 2,
+                      "attention_to_sdpa": 1, "decompose_attention": 1}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mlir = str(aot.export(rewritten).mlir_module)
+    assert 'torch.operator "' not in mlir
+    assert '#flow.parameter.named<"model"::"bn.running_var">' in mlir and "dense_resource" not in mlir
+    (tmp_path / "m.mlir").write_text(mlir)
+    aot.save_module_parameters(str(tmp_path / "p.irpa"), module)
+    flags = ["--iree-input-type=torch", "--iree-hal-target-device=local",
+             "--iree-hal-local-target-device-backends=llvm-cpu",
+             "--iree-llvmcpu-target-triple=x86_64-unknown-linux-gnu", "--iree-llvmcpu-target-cpu=x86-64-v3",
+             "--iree-vm-bytecode-module-strip-source-map=true", "--iree-llvmcpu-debug-symbols=false"]
+    proc = subprocess.run([find_tool("iree-compile"), str(tmp_path / "m.mlir"), *flags, "-o",
+                           str(tmp_path / "m.vmfb")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    config = rt.Config("local-task")
+    index = rt.ParameterIndex()
+    index.load(str(tmp_path / "p.irpa"))
+    params = rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope="model"))
+    vm_module = rt.VmModule.copy_buffer(config.vm_instance, (tmp_path / "m.vmfb").read_bytes())
+    context = rt.SystemContext(vm_modules=[params, vm_module], config=config)
+    got = context.modules.module["main"](image.numpy(), keep.numpy()).to_host()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
