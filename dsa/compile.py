@@ -1,9 +1,11 @@
 """DsaCompile: torch-dialect MLIR + the manifest's compile view + a target → .vmfb and a compile report.
 
-The flags are composed from three reviewable sources, in this order: the input/device flags every module
-needs, the target's own flags (toolchains/targets/<name>.json), and the flags the manifest's compile view
-implies. Reproducibility flags come last and cannot be overridden: no source map, no debug symbols, and
-never `host` as a CPU, so the same inputs give a byte-identical, portable vmfb on any machine.
+The flags are composed from four reviewable sources, in this order: the input/device flags every module
+needs, the target's own flags (toolchains/targets/<name>.json), the measured tuning of the model family for
+that target (toolchains/tuning/<family>.<target>.json, optional; written by `bazel run //bench:tune`), and
+the flags the manifest's compile view implies. Reproducibility flags come last and cannot be overridden: no
+source map, no debug symbols, and never `host` as a CPU, so the same inputs give a byte-identical, portable
+vmfb on any machine.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dsa.errors import DsaError, run_cli
 from dsa.fileio import atomic_output, read_json, sha256_file, write_json_atomic
 
 REPORT_FORMAT = 1
+TUNING_FORMAT = 1
 REPRODUCIBILITY_FLAGS = [
     "--iree-vm-bytecode-module-strip-source-map=true",
     "--iree-llvmcpu-debug-symbols=false",
@@ -45,6 +48,36 @@ def target_flags(target: dict, where: str) -> List[str]:
     ]
 
 
+# Flags a tuning file may not set: they choose the device, the CPU or the input, or undo reproducibility.
+_TUNING_FORBIDDEN = (
+    "--iree-hal-target-device", "--iree-hal-local-target-device-backends", "--iree-hal-target-backends",
+    "--iree-llvmcpu-target-triple", "--iree-llvmcpu-target-cpu", "--iree-llvmcpu-target-cpu-features",
+    "--iree-input-type", "--iree-vm-bytecode-module-strip-source-map", "--iree-llvmcpu-debug-symbols",
+    "--mlir-print-debuginfo", "-o", "--compile-to", "--output-format",
+)
+
+
+def tuning_flags(tuning: dict, target: dict, where: str) -> List[str]:
+    """The flags of a tuning file (toolchains/tuning/<family>.<target>.json), checked against the target."""
+    for key in ("format", "family", "target", "flags"):
+        if key not in tuning:
+            raise DsaError(where, f"tuning file has no '{key}'", "see toolchains/tuning/README.md")
+    if tuning["format"] != TUNING_FORMAT:
+        raise DsaError(where, f"tuning format {tuning['format']} is not supported",
+                       f"this release reads format {TUNING_FORMAT}")
+    if tuning["target"] != target["name"]:
+        raise DsaError(where, f"tuning is for target '{tuning['target']}' but this compile is for "
+                       f"'{target['name']}'", f"use toolchains/tuning/{tuning['family']}.{target['name']}.json")
+    flags = tuning["flags"]
+    if not isinstance(flags, list) or not all(isinstance(f, str) and f.startswith("--") for f in flags):
+        raise DsaError(where, "tuning 'flags' must be a list of '--flag[=value]' strings")
+    for flag in flags:
+        if flag.partition("=")[0] in _TUNING_FORBIDDEN or flag.endswith("=host"):
+            raise DsaError(where, f"tuning flag '{flag}' is not allowed: the target spec and the rule set own "
+                           "the device, CPU, input and reproducibility flags", "remove it from the tuning file")
+    return list(flags)
+
+
 def manifest_flags(view: dict) -> List[str]:
     """Flags implied by the compile view. Quantised weights must stay packed until the matmul: no constant
     evaluation or hoisting (which would materialise float weights at load), and dequantisation fused into
@@ -55,14 +88,15 @@ def manifest_flags(view: dict) -> List[str]:
     return []
 
 
-def compile_flags(view: dict, target: dict, where: str) -> List[str]:
+def compile_flags(view: dict, target: dict, where: str, tuning: Optional[dict] = None) -> List[str]:
     if view.get("target") != target["name"]:
         raise DsaError(
             where,
             f"compile view is for target '{view.get('target')}' but the target spec is '{target['name']}'",
             "pass the matching toolchains/targets spec",
         )
-    return ["--iree-input-type=torch", *target_flags(target, where), *manifest_flags(view),
+    tuned = tuning_flags(tuning, target, f"{where} (tuning)") if tuning is not None else []
+    return ["--iree-input-type=torch", *target_flags(target, where), *tuned, *manifest_flags(view),
             *REPRODUCIBILITY_FLAGS]
 
 
@@ -104,8 +138,9 @@ def compile_module(
     out_report: Optional[Path] = None,
     *,
     where: str = "compile",
+    tuning: Optional[dict] = None,
 ) -> dict:
-    flags = compile_flags(view, target, where)
+    flags = compile_flags(view, target, where, tuning)
     with tempfile.TemporaryDirectory(prefix="dsa-compile-") as tmp:
         stats_path = Path(tmp) / "statistics.json"
         stats_flags = ["--iree-scheduling-dump-statistics-format=json",
@@ -121,6 +156,7 @@ def compile_module(
         "model_id": view["model_id"],
         "target": target["name"],
         "runtime_driver": target["runtime_driver"],
+        "tuning": None if tuning is None else {"family": tuning["family"], "flags": tuning["flags"]},
         "flags": flags,
         "dispatch_count": aggregate.get("execution", {}).get("dispatch-count"),
         "executable_count": aggregate.get("executable", {}).get("executable-count"),
@@ -134,11 +170,13 @@ def compile_module(
     return report
 
 
-def compile_to_phase(mlir: Path, view: dict, target: dict, phase: str, where: str = "compile") -> str:
+def compile_to_phase(mlir: Path, view: dict, target: dict, phase: str, where: str = "compile",
+                     tuning: Optional[dict] = None) -> str:
     """The module's IR after `phase` (e.g. "flow"), as text: used to inspect what the compiler keeps."""
     with tempfile.TemporaryDirectory(prefix="dsa-phase-") as tmp:
         out = Path(tmp) / f"{phase}.mlir"
-        run_iree_compile(mlir, compile_flags(view, target, where) + [f"--compile-to={phase}"], out, where)
+        run_iree_compile(mlir, compile_flags(view, target, where, tuning) + [f"--compile-to={phase}"], out,
+                         where)
         return out.read_text()
 
 
@@ -147,11 +185,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--mlir", required=True)
     parser.add_argument("--view", required=True, help="the manifest's compile view (JSON)")
     parser.add_argument("--target", required=True, help="target spec (toolchains/targets/NAME.json)")
+    parser.add_argument("--tuning", help="tuning file (toolchains/tuning/<family>.<target>.json)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--report", required=True)
     a = parser.parse_args(argv)
+    where = f"{a.mlir} for target {Path(a.target).stem}"
+    tuning = None
+    if a.tuning:
+        tuning = read_json(a.tuning)
+        where = f"{where} with {a.tuning}"
     compile_module(Path(a.mlir), read_json(a.view), read_json(a.target), Path(a.out), Path(a.report),
-                   where=f"{a.mlir} for target {Path(a.target).stem}")
+                   where=where, tuning=tuning)
 
 
 if __name__ == "__main__":

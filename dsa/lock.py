@@ -41,7 +41,9 @@ def make_lock(
     target_spec: Path,
     modules: List[ModuleFiles],
     params: Path,
+    tuning: Optional[tuple] = None,
 ) -> dict:
+    """`tuning`: (repository-relative key, path) of the tuning file the modules were compiled with."""
     compile_view = read_json(views["compile"])
     modules_out = []
     artifacts: Dict[str, str] = {"params.irpa": sha256_file(params)}
@@ -60,7 +62,7 @@ def make_lock(
         artifacts[f"{m.name}.export_record.json"] = entry["export_record"]
         artifacts[f"{m.name}.compile_report.json"] = entry["compile_report"]
     target = read_json(target_spec)
-    return {
+    lock = {
         "format": LOCK_FORMAT,
         "model_id": compile_view["model_id"],
         "target": compile_view["target"],
@@ -74,6 +76,10 @@ def make_lock(
         "modules": sorted(modules_out, key=lambda e: e["name"]),
         "artifacts": dict(sorted(artifacts.items())),
     }
+    if tuning is not None:
+        key, path = tuning
+        lock["tuning"] = {"path": key, "sha256": sha256_file(path), "flags": read_json(path)["flags"]}
+    return lock
 
 
 def tool_source_files(package_dir: Path) -> Dict[str, Path]:
@@ -104,6 +110,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--module", action="append", default=[],
                         help="NAME=MLIR,EXPORT_RECORD,VMFB,COMPILE_REPORT")
     parser.add_argument("--params", required=True)
+    parser.add_argument("--tuning", help="KEY=PATH of the tuning file the modules were compiled with")
     parser.add_argument("--out", required=True)
     a = parser.parse_args(argv)
     modules = []
@@ -122,6 +129,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         target_spec=Path(a.target_spec),
         modules=modules,
         params=Path(a.params),
+        tuning=next(iter(_pairs([a.tuning], "--tuning").items())) if a.tuning else None,
     )
     write_json_atomic(a.out, lock)
 

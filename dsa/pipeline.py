@@ -35,7 +35,10 @@ def run_pipeline(
     seeded_checkpoint: Optional[int] = None,
     pythonpath: List[str] = (),
     requirements_lock: Path = Path("requirements_lock.txt"),
+    tuning: Optional[dict] = None,
 ) -> List[Path]:
+    """`tuning` maps a target name to the tuning file (toolchains/tuning/<family>.<target>.json) to compile it
+    with; targets without one compile with the target spec's flags only."""
     """Builds every artifact of the manifest's model into `out`; returns the module index of each target.
     Beside each index lies `<target>.lock.json`, the same recipe lock the Bazel rules write."""
     known = sorted(p.stem for p in targets_dir.glob("*.json"))
@@ -88,6 +91,7 @@ def run_pipeline(
     indexes = []
     for target_name in manifest["targets"]:
         target = read_json(targets_dir / f"{target_name}.json")
+        tuning_file = (tuning or {}).get(target_name)
         compile_view = project(manifest, "compile", target=target_name)
         compile_view_file = views / f"compile_view.{target_name}.json"
         write_json_atomic(compile_view_file, compile_view)
@@ -96,7 +100,8 @@ def run_pipeline(
         for mlir, module_record in exported:
             vmfb = out / target_name / (mlir.stem + ".vmfb")
             report = vmfb.with_suffix(".compile_report.json")
-            compile_module(mlir, compile_view, target, vmfb, report, where=f"{mlir} for target {target_name}")
+            compile_module(mlir, compile_view, target, vmfb, report, where=f"{mlir} for target {target_name}",
+                           tuning=read_json(tuning_file) if tuning_file else None)
             modules.append({"vmfb": os.path.relpath(vmfb, out), "record": os.path.relpath(module_record, out)})
             module_files.append(ModuleFiles(mlir.stem, mlir, module_record, vmfb, report))
         target_copy = out / target_name / f"{target_name}.json"
@@ -121,6 +126,7 @@ def run_pipeline(
             target_spec=targets_dir / f"{target_name}.json",
             modules=module_files,
             params=out / "params.irpa",
+            tuning=(_tuning_key(tuning_file), tuning_file) if tuning_file else None,
         ))
         indexes.append(index)
     return indexes
@@ -128,6 +134,27 @@ def run_pipeline(
 
 # The checkout this module runs from (holds toolchains/ and requirements_lock.txt).
 _RULES_DSA_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tuning_key(path: Path) -> str:
+    """How the lock names a tuning file: repository-relative inside this checkout (as Bazel names it)."""
+    resolved = Path(path).resolve()
+    if resolved.is_relative_to(_RULES_DSA_ROOT):
+        return str(resolved.relative_to(_RULES_DSA_ROOT))
+    return str(path)
+
+
+def _tuning_args(values: List[str]) -> dict:
+    tuning = {}
+    for value in values:
+        target, sep, path = value.partition("=")
+        if not sep or not path:
+            raise DsaError("--tuning", f"'{value}' is not TARGET=FILE",
+                           "e.g. --tuning x86_64-v3=toolchains/tuning/transformer.x86_64-v3.json")
+        if not Path(path).is_file():
+            raise DsaError("--tuning", f"no tuning file at {path}")
+        tuning[target] = Path(path)
+    return tuning
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -143,10 +170,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="the lock the Python environment was installed from (recorded in the lock)")
     parser.add_argument("--pythonpath", action="append", default=None,
                         help="directory holding the model code (default: the current directory)")
+    parser.add_argument("--tuning", action="append", default=[], metavar="TARGET=FILE",
+                        help="compile TARGET with this tuning file (toolchains/tuning/<family>.<target>.json)")
     a = parser.parse_args(argv)
     indexes = run_pipeline(a.manifest, a.out, targets_dir=a.targets_dir, checkpoint=a.checkpoint,
                            seeded_checkpoint=a.seeded_checkpoint, pythonpath=a.pythonpath or ["."],
-                           requirements_lock=a.requirements_lock)
+                           requirements_lock=a.requirements_lock, tuning=_tuning_args(a.tuning))
     for index in indexes:
         print(f"dsa-compile: wrote {index} and {index.name.replace('.modules.json', '.lock.json')}")
 

@@ -73,7 +73,11 @@ def test_compiled_ir_keeps_one_flow_loop(manifest, policy):
     index = read_json(INDEX)
     target = read_json(INDEX.parent / index["target_spec"])
     mlir = runfile("models/pi0_buckets/prompt_len_0.mlir")
-    flow = compile_to_phase(mlir, project(manifest, "compile", target=target["name"]), target, "flow")
+    report = read_json(runfile("models/pi0/prompt_len_0.compile_report.json"))
+    # The build's own tuning (recorded in its compile report), so the dispatch counts are comparable.
+    tuning = report["tuning"] and dict(report["tuning"], format=1, target=target["name"])
+    flow = compile_to_phase(mlir, project(manifest, "compile", target=target["name"]), target, "flow",
+                            tuning=tuning)
     assert flow.count("scf.while") == 1
     loop_body = flow[flow.index("scf.while"):]
     in_loop = loop_body.count("flow.dispatch @")
@@ -81,8 +85,9 @@ def test_compiled_ir_keeps_one_flow_loop(manifest, policy):
     expert_layers = manifest["model"]["config"]["expert_depth"]
     assert in_loop >= expert_layers  # the expert's layers run inside the loop ...
     assert total - in_loop > in_loop  # ... and the prefix (vision + language) runs once, outside it
-    report = read_json(runfile("models/pi0/prompt_len_0.compile_report.json"))
-    assert report["dispatch_count"] == total
+    # The build's count is per step too; data tiling adds its layout-encoding dispatches after the flow
+    # phase, so it is at least the flow phase's count (and bounded: nothing unrolled).
+    assert total <= report["dispatch_count"] < 2 * total
 
 
 def test_prompt_longer_than_largest_bucket_is_refused(policy):

@@ -22,13 +22,17 @@ def _lock_action(ctx, lock, model, target, compile_view, bucket_views, mlirs, re
         for m, r, v, p in zip(mlirs, records, vmfbs, reports)
     ], before_each = "--module")
     args.add("--params", model.params)
+    tuning = ctx.file.tuning
+    if tuning:
+        args.add("--tuning", "%s=%s" % (repo_relative(tuning), tuning.path))
     args.add("--out", lock)
     ctx.actions.run(
         executable = ctx.executable._lock_tool,
         arguments = [args],
         inputs = depset(
             [model.manifest, model.checkpoint, ctx.file._toolchain_identity, target.spec, model.params] +
-            views.values() + model.own_sources + tool_sources + mlirs + records + vmfbs + reports,
+            views.values() + model.own_sources + tool_sources + mlirs + records + vmfbs + reports +
+            ([tuning] if tuning else []),
         ),
         outputs = [lock],
         mnemonic = "DsaLock",
@@ -65,17 +69,19 @@ def _dsa_vmfb_impl(ctx):
         args.add("--mlir", mlir)
         args.add("--view", view)
         args.add("--target", target.spec)
+        if ctx.file.tuning:
+            args.add("--tuning", ctx.file.tuning)
         args.add("--out", vmfb)
         args.add("--report", report)
         ctx.actions.run(
             executable = ctx.executable._compile_tool,
             arguments = [args],
-            inputs = [mlir, view, target.spec, ctx.file._toolchain_identity],
+            inputs = [mlir, view, target.spec, ctx.file._toolchain_identity] + ctx.files.tuning,
             outputs = [vmfb, report],
             mnemonic = "DsaCompile",
             progress_message = "Compiling %s for %s" % (mlir.short_path, target.name),
             env = ACTION_ENV,
-        execution_requirements = execution_requirements(ctx),
+            execution_requirements = execution_requirements(ctx),
         )
         vmfbs.append(vmfb)
         reports.append(report)
@@ -123,11 +129,17 @@ dsa_vmfb = rule(
     implementation = _dsa_vmfb_impl,
     doc = """Compiles a dsa_model (one module) or a dsa_bucket (one module per bucket) for a target.
 
-Flags come from the target spec (toolchains/targets) and the manifest's compile view, plus fixed
-reproducibility flags; the target must be one the manifest lists under `targets`.""",
+Flags come from the target spec (toolchains/targets), the optional `tuning` file of the model family
+for that target (toolchains/tuning, chosen by measurement: `bazel run //bench:tune`) and the manifest's
+compile view, plus fixed reproducibility flags; the target must be one the manifest lists under `targets`.
+Editing the tuning file recompiles exactly the dsa_vmfb targets that name it.""",
     attrs = dict(TOOL_ATTRS, **{
         "src": attr.label(mandatory = True, providers = [[DsaModelInfo], [DsaBucketInfo]]),
         "target": attr.label(mandatory = True, providers = [DsaTargetInfo]),
+        "tuning": attr.label(
+            allow_single_file = [".json"],
+            doc = "Tuning file for this model family and target (toolchains/tuning/<family>.<target>.json).",
+        ),
         "_compile_tool": attr.label(default = Label("//dsa:compile_tool"), executable = True, cfg = "exec"),
         "_lock_tool": attr.label(default = Label("//dsa:lock_tool"), executable = True, cfg = "exec"),
         "_tool_sources": attr.label(default = Label("//dsa:tool_sources"), allow_files = True),

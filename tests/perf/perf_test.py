@@ -1,0 +1,163 @@
+"""Benchmark and tuner logic, and the tuning data in toolchains/tuning (no timing is asserted anywhere)."""
+
+from pathlib import Path
+
+import pytest
+
+from dsa import bench, tune
+from dsa.compile import compile_flags, tuning_flags
+from dsa.errors import DsaError
+from dsa.fileio import read_json
+from dsa.testing import runfile
+
+ROOT = runfile(".")
+TUNING = runfile("toolchains/tuning")
+TARGETS = runfile("toolchains/targets")
+V3 = read_json(TARGETS / "x86_64-v3.json")
+
+
+def test_summarize_gives_median_and_p90_of_the_samples():
+    stats = bench.summarize([5.0, 1.0, 3.0, 2.0, 4.0, 100.0, 6.0, 7.0, 8.0, 9.0])
+    assert stats["median_ms"] == 5.5
+    assert stats["p90_ms"] == pytest.approx(18.1)
+    assert stats["runs"] == 10
+
+
+def test_parity_flags_an_output_outside_the_bound():
+    import numpy as np
+
+    ref = np.array([[1.0, -3.0]])
+    assert bench.parity(ref + 1e-5, ref)["ok"]
+    assert not bench.parity(ref + 1e-2, ref)["ok"]
+    assert not bench.parity(np.zeros((2, 2)), ref)["ok"]  # wrong shape never passes
+
+
+def test_best_target_needs_every_avx512_subset_of_x86_64_v4():
+    assert bench.best_target(["avx2", "fma"]) == "x86_64-v3"
+    assert bench.best_target(["avx512f", "avx512bw", "avx512cd", "avx512dq"]) == "x86_64-v3"
+    assert bench.best_target(["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]) == "x86_64-v4"
+
+
+def _row(case, eager, tuned, ort=None):
+    rt = {"eager": {"median_ms": eager}, "vmfb:tuned": {"median_ms": tuned}}
+    if ort is not None:
+        rt["onnxruntime"] = {"median_ms": ort}
+    return {"case": case, "runtimes": rt}
+
+
+def test_goal_needs_vmfb_at_most_eager_and_within_1_5x_of_onnx_runtime_where_it_applies():
+    result = {"ort_goal": True, "cases": [_row("a", 10, 9, 6.5), _row("b", 10, 9, 5.0), _row("c", 10, 11, 20)]}
+    status = bench.goal_status(result)
+    assert status["a"]["met"] and not status["b"]["met"] and not status["c"]["met"]
+    assert status["b"]["vs_onnxruntime"] == 1.8
+    result["ort_goal"] = False
+    assert bench.goal_status(result)["b"]["met"]
+
+
+def _cand(name, flags, **models):
+    return {"name": name, "flags": flags, "models": {
+        m: ({"qualified": True, "total_median_ms": v} if v is not None else
+            {"qualified": False, "reason": "does not compile"}) for m, v in models.items()}}
+
+
+def test_winner_is_the_best_on_average_over_the_family_with_fewer_flags_on_a_tie():
+    measured = [
+        _cand("baseline", [], big=100.0, small=2.0),
+        _cand("fails-on-one", ["--x"], big=10.0, small=None),
+        _cand("two-flags", ["--a", "--b"], big=60.0, small=1.0),
+        _cand("one-flag", ["--a"], big=60.0, small=1.0),
+        _cand("helps-big-only", ["--c"], big=50.0, small=3.0),
+    ]
+    tune.score_candidates(measured, ["big", "small"])
+    assert not measured[1]["qualified"] and "small: does not compile" in measured[1]["reason"]
+    # Relative scores: a model 50x slower than another does not decide alone.
+    assert measured[4]["score"] == pytest.approx((1.0 + 3.0) / 2)
+    assert measured[3]["score"] == pytest.approx((1.2 + 1.0) / 2)
+    assert tune.pick_winner(measured)["name"] == "one-flag"
+
+
+def test_no_qualified_candidate_is_an_error_naming_each_reason():
+    with pytest.raises(DsaError, match="no candidate qualified.*a: does not compile"):
+        tune.pick_winner([{"name": "a", "flags": [], "qualified": False, "reason": "does not compile"}])
+
+
+def test_candidates_file_is_valid_and_allowed_as_tuning():
+    candidates = tune.load_candidates(TUNING / "candidates.json")
+    assert candidates[0]["flags"] == []  # the baseline is always measured
+    for c in candidates:
+        tuning_flags({"format": 1, "family": "f", "target": "x86_64-v3", "flags": c["flags"]}, V3, c["name"])
+
+
+@pytest.mark.parametrize("flag", [
+    "--iree-llvmcpu-target-cpu=znver4",
+    "--iree-llvmcpu-target-cpu=host",
+    "--iree-hal-target-device=cuda",
+    "--iree-vm-bytecode-module-strip-source-map=false",
+    "--iree-llvmcpu-debug-symbols=true",
+])
+def test_tuning_may_not_set_target_device_or_reproducibility_flags(flag):
+    with pytest.raises(DsaError, match="is not allowed"):
+        tuning_flags({"format": 1, "family": "f", "target": "x86_64-v3", "flags": [flag]}, V3, "t.json")
+
+
+def test_tuning_for_another_target_is_refused_with_the_right_file_named():
+    with pytest.raises(DsaError, match=r"tuning is for target 'x86_64-v4'.*f\.x86_64-v3\.json"):
+        tuning_flags({"format": 1, "family": "f", "target": "x86_64-v4", "flags": []}, V3, "t.json")
+
+
+def test_tuning_flags_sit_between_the_target_and_the_reproducibility_flags():
+    view = {"model_id": "m", "target": "x86_64-v3", "quant_scheme": {"kind": "none"}}
+    flags = compile_flags(view, V3, "w", {"format": 1, "family": "f", "target": "x86_64-v3",
+                                          "flags": ["--iree-opt-data-tiling"]})
+    assert flags.index("--iree-llvmcpu-target-cpu=x86-64-v3") < flags.index("--iree-opt-data-tiling")
+    assert flags.index("--iree-opt-data-tiling") < flags.index("--iree-llvmcpu-debug-symbols=false")
+
+
+def test_every_tuning_file_is_valid_for_its_target_and_has_its_evidence():
+    files = [p for p in TUNING.glob("*.json") if p.name != "candidates.json" and ".evidence." not in p.name]
+    assert files, "no tuning files"
+    for path in files:
+        tuning = read_json(path)
+        family, target_name = path.stem.split(".", 1)
+        assert (tuning["family"], tuning["target"]) == (family, target_name), path.name
+        tuning_flags(tuning, read_json(TARGETS / f"{target_name}.json"), path.name)
+        evidence = read_json(path.with_suffix(".evidence.json"))
+        winner = next(c for c in evidence["candidates"] if c["name"] == evidence["winner"])
+        assert winner["flags"] == tuning["flags"] and winner["qualified"], path.name
+
+
+def test_every_manifest_is_a_bench_subject_with_a_tuning_family():
+    subjects = bench.load_subjects(runfile("bench/subjects.json"), ROOT)
+    covered = {s.manifest.name for s in subjects}
+    manifests = {p.name for p in runfile("manifests").glob("*.yaml")}
+    assert manifests <= covered, f"not benchmarked: {sorted(manifests - covered)}"
+    for s in subjects:
+        assert (TUNING / f"{s.family}.x86_64-v3.json").exists(), s.name
+
+
+def test_markdown_report_has_latency_goal_and_rewrite_lines():
+    entry = lambda ms: {"median_ms": ms, "p90_ms": ms * 1.1, "runs": 30, "parity": {"ok": True}}  # noqa: E731
+    runtimes = {"eager": entry(10.0), "vmfb:default": entry(20.0), "vmfb:rewrites": entry(9.0),
+                "vmfb:tuned": entry(8.0), "vmfb:-patchify_conv_to_matmul": entry(8.8), "onnxruntime": entry(6.0)}
+    variant = {"flags": ["--x"], "rewrites": {"patchify_conv_to_matmul": 2, "fold_batchnorm": 0},
+               "export_s": 1, "compile_s": 2, "vmfb_bytes": 3}
+    result = {"model": "m", "target": "x86_64-v3", "ort_goal": True, "variants": {"default": variant, "tuned": variant},
+              "cases": [{"case": "steps=1", "runtimes": runtimes}], "errors": {}}
+    result["goal"] = bench.goal_status(result)
+    text = bench.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
+                                              "python": "3"}, "date": "d", "target": "x86_64-v3", "runs": 30,
+                                  "warmup": 5, "models": [result]})
+    assert "| m | steps=1 | 10.00 / 11.00 |" in text
+    assert "| 0.80 | 1.33 | met |" in text
+    assert "| m | steps=1 | `patchify_conv_to_matmul` | 2 | 8.80 | 8.00 | -9.1% |" in text
+    assert "fold_batchnorm" not in text.split("## Graph rewrites")[1].split("## Builds")[0]
+
+
+def test_interleaved_measurement_calls_each_function_warmup_plus_runs_times_in_alternating_rounds():
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    stats = bench.measure_interleaved(fns, warmup=2, runs=7, rounds=3)
+    assert calls.count("a") == calls.count("b") == 9
+    assert stats["a"]["runs"] == stats["b"]["runs"] == 7
+    timed = calls[4:]  # after the warm-up: rounds of 3, 2, 2 calls, alternating between the functions
+    assert timed == ["a"] * 3 + ["b"] * 3 + ["a"] * 2 + ["b"] * 2 + ["a"] * 2 + ["b"] * 2
