@@ -406,6 +406,34 @@ def test_target_change_recompiles_without_exporting(ws, edits):
     assert [v.read_bytes() for v in ws.vmfbs] != before
 
 
+def test_tuning_file_edit_recompiles_only_the_modules_that_name_it(ws, edits):
+    """A dsa_vmfb's tuning file (toolchains/tuning format) is an input of its compile actions only: naming
+    one, then changing its flags, recompiles every bucket and exports or packs nothing; the flags reach the
+    vmfbs. A flag the target owns is refused, naming the flag."""
+    ws.build()
+    before = [v.read_bytes() for v in ws.vmfbs]
+    tuning = edits.create("tiny.x86_64-v3.json")
+    tuning.write_text(json.dumps({"format": 1, "family": "tiny", "target": "x86_64-v3", "flags": []}))
+    edits.replace("BUILD.bazel", '    target = "@rules_dsa//toolchains/targets:x86_64-v3",\n',
+                  '    target = "@rules_dsa//toolchains/targets:x86_64-v3",\n    tuning = "tiny.x86_64-v3.json",\n')
+    _, log = ws.build()
+    ran = executed_mnemonics(log)
+    assert ran["DsaCompile"] == len(BUCKETS) and ran["DsaExport"] == ran["DsaParams"] == 0, ran
+    assert [v.read_bytes() for v in ws.vmfbs] == before  # no flags yet: the same modules
+    tuning.write_text(json.dumps({"format": 1, "family": "tiny", "target": "x86_64-v3",
+                                  "flags": ["--iree-opt-data-tiling"]}))
+    _, log = ws.build()
+    ran = executed_mnemonics(log)
+    assert ran["DsaCompile"] == len(BUCKETS) and ran["DsaExport"] == ran["DsaParams"] == 0, ran
+    assert [v.read_bytes() for v in ws.vmfbs] != before
+    assert "--iree-opt-data-tiling" in json.loads((ws.bin / "tiny.lock.json").read_text())["tuning"]["flags"]
+    tuning.write_text(json.dumps({"format": 1, "family": "tiny", "target": "x86_64-v3",
+                                  "flags": ["--iree-llvmcpu-target-cpu=znver4"]}))
+    proc, _ = ws.build(expect_ok=False)
+    assert "tuning flag '--iree-llvmcpu-target-cpu=znver4' is not allowed" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_quant_scheme_edit_reexports_repacks_and_recompiles(ws, edits):
     """quant_scheme shapes the graph (packed weights), the archive (quantised tensors) and the compile flags:
     editing it reruns all three, and the archive shrinks."""
