@@ -283,6 +283,13 @@ def bench_subject(subject: Subject, *, target_name: str, root: Path, work: Path,
         rest = [n for n in defaults if n != name]
         variants[f"-{name}"] = build_variant(subject, manifest, target, tuning, rest, work / f"minus-{name}",
                                              pythonpath)
+    # A default rewrite the manifest opted out of: the evidence for that choice.
+    for name in passes.DEFAULT_PASSES:
+        if name not in defaults:
+            more = [n for n in passes.PASSES if n in defaults or n == name]
+            built = build_variant(subject, manifest, target, tuning, more, work / f"plus-{name}", pythonpath)
+            if built.rewrites.get(name):
+                variants[f"+{name}"] = built
 
     record = variants["tuned"].record
     dims = {}
@@ -456,23 +463,26 @@ def render_markdown(results: dict) -> str:
         "## Graph rewrites: before / after",
         "",
         "Each line compares the shipped (tuned) module with the same module built without one rewrite "
-        "(dsa/passes.py). Rewrites that found nothing to rewrite in a model have no line.",
+        "(dsa/passes.py), or, for a default rewrite the model's manifest opts out of, with it. Rewrites that "
+        "found nothing to rewrite in a model have no line.",
         "",
         "| model | case | rewrite | rewrites made | without (ms) | with (ms) | change |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results["models"]:
         fired = {k: v for k, v in r["variants"]["tuned"]["rewrites"].items() if v}
+        opted_out = {k[1:]: r["variants"][k]["rewrites"][k[1:]] for k in r["variants"] if k.startswith("+")}
         for row in r["cases"]:
             rt = row["runtimes"]
-            for name, count in fired.items():
-                without = rt.get(f"vmfb:-{name}")
-                with_ = rt["vmfb:tuned"]
-                if without is None:
+            pairs = [(name, count, rt.get(f"vmfb:-{name}"), rt["vmfb:tuned"], "") for name, count in fired.items()]
+            pairs += [(name, count, rt["vmfb:tuned"], rt.get(f"vmfb:+{name}"), " (not used: manifest opts out)")
+                      for name, count in opted_out.items()]
+            for name, count, without, with_, note in pairs:
+                if without is None or with_ is None:
                     continue
                 change = (with_["median_ms"] - without["median_ms"]) / without["median_ms"] * 100
-                lines.append(f"| {r['model']} | {row['case']} | `{name}` | {count} | {without['median_ms']:.2f} "
-                             f"| {with_['median_ms']:.2f} | {change:+.1f}% |")
+                lines.append(f"| {r['model']} | {row['case']} | `{name}`{note} | {count} "
+                             f"| {without['median_ms']:.2f} | {with_['median_ms']:.2f} | {change:+.1f}% |")
     lines += ["", "## Builds", "", "| model | variant | export s | compile s | vmfb bytes | flags beyond the target's |",
               "|---|---|---|---|---|---|"]
     for r in results["models"]:

@@ -161,3 +161,19 @@ def test_interleaved_measurement_calls_each_function_warmup_plus_runs_times_in_a
     assert stats["a"]["runs"] == stats["b"]["runs"] == 7
     timed = calls[4:]  # after the warm-up: rounds of 3, 2, 2 calls, alternating between the functions
     assert timed == ["a"] * 3 + ["b"] * 3 + ["a"] * 2 + ["b"] * 2 + ["a"] * 2 + ["b"] * 2
+
+
+def test_a_default_rewrite_the_manifest_opts_out_of_gets_its_evidence_line():
+    entry = lambda ms: {"median_ms": ms, "p90_ms": ms, "runs": 30, "parity": {"ok": True}}  # noqa: E731
+    runtimes = {"eager": entry(10.0), "vmfb:tuned": entry(4.0), "vmfb:+decompose_attention": entry(5.0)}
+    variant = {"flags": [], "rewrites": {"patchify_conv_to_matmul": 0}, "export_s": 1, "compile_s": 2,
+               "vmfb_bytes": 3}
+    plus = dict(variant, rewrites={"decompose_attention": 11})
+    result = {"model": "m", "target": "t", "ort_goal": False, "errors": {},
+              "variants": {"default": variant, "tuned": variant, "+decompose_attention": plus},
+              "cases": [{"case": "-", "runtimes": runtimes}]}
+    result["goal"] = bench.goal_status(result)
+    text = bench.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
+                                              "python": "3"}, "date": "d", "target": "t", "runs": 30,
+                                  "warmup": 5, "models": [result]})
+    assert "| m | - | `decompose_attention` (not used: manifest opts out) | 11 | 4.00 | 5.00 | +25.0% |" in text

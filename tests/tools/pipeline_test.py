@@ -13,7 +13,7 @@ def test_dsa_compile_matches_bazel_build_byte_for_byte(tmp_path):
         seeded_checkpoint=0,
         pythonpath=[str(runfile("."))],
         requirements_lock=runfile("requirements_lock.txt"),
-        tuning={"x86_64-v3": runfile("toolchains/tuning/transformer.x86_64-v3.json")},
+        tuning={"x86_64-v3": runfile("toolchains/tuning/flow_vla.x86_64-v3.json")},
     )
     assert [i.name for i in indexes] == ["x86_64-v3.modules.json"]
     ours = read_json(indexes[0])
