@@ -177,3 +177,12 @@ def test_a_default_rewrite_the_manifest_opts_out_of_gets_its_evidence_line():
                                               "python": "3"}, "date": "d", "target": "t", "runs": 30,
                                   "warmup": 5, "models": [result]})
     assert "| m | - | `decompose_attention` (not used: manifest opts out) | 11 | 4.00 | 5.00 | +25.0% |" in text
+
+
+def test_current_flags_stay_unless_the_winner_beats_them_by_the_margin():
+    measured = [_cand("current", ["--a"], m=10.3), _cand("new", ["--b"], m=10.0), _cand("bad", ["--c"], m=None)]
+    tune.score_candidates(measured, ["m"])
+    assert tune.keep_incumbent(measured, ["--a"], 0.05)["name"] == "current"  # 3% slower: within the margin
+    assert tune.keep_incumbent(measured, ["--a"], 0.01)["name"] == "new"
+    assert tune.keep_incumbent(measured, ["--c"], 0.05)["name"] == "new"  # current no longer qualifies
+    assert tune.keep_incumbent(measured, None, 0.05)["name"] == "new"
