@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -248,6 +247,56 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
+# -- reference cases ---------------------------------------------------------------------------------
+def load_subject_manifest(subject: Subject, root: Path, work: Path) -> dict:
+    """The subject's manifest. Outside Bazel the seeded checkpoint is not built: make the same one
+    dsa_checkpoint(seed = 0) makes."""
+    from dsa.manifest import load_manifest, project
+
+    manifest = load_manifest(subject.manifest)
+    if not subject.checkpoint.exists():
+        from dsa.checkpoint import make_checkpoint
+
+        subject.checkpoint = work / "checkpoint.safetensors"
+        make_checkpoint(project(manifest, "export"), subject.checkpoint, seed=0, pythonpath=[str(root)])
+    return manifest
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    inputs: Dict[str, np.ndarray]   # by input name, for the vmfb
+    args: list                      # torch tensors in the entry point's order, for eager / ORT / torch.compile
+    ref: np.ndarray                 # eager PyTorch's output, float64
+
+
+def reference_cases(subject: Subject, manifest: dict, record: dict):
+    """(eager module, input names, one Case per subject case): deterministic sample inputs at the subject's
+    bucket, each case's overrides applied, and eager PyTorch's output on them."""
+    import torch
+
+    from dsa.manifest import project
+    from dsa.runtime import sample_inputs
+    from dsa.testing import eager_policy
+
+    dims = {}
+    if subject.bucket is not None:
+        dims[subject.bucket["dim"]] = manifest["buckets"][subject.bucket["dim"]][subject.bucket["slot"]]
+    base = sample_inputs(record, dims, np.random.default_rng(0))
+    eager, spec = eager_policy(project(manifest, "export"), dims, subject.checkpoint)
+    names = [s.name for s in spec.inputs]
+    cases = []
+    for case in subject.cases:
+        inputs = dict(base)
+        for key, value in case.items():
+            inputs[key] = np.array(value, dtype=np.asarray(base[key]).dtype)
+        args = [torch.from_numpy(np.asarray(inputs[n])) for n in names]
+        with torch.no_grad():
+            ref = eager(*args).numpy().astype(np.float64)
+        cases.append(Case(subject.case_name(case), inputs, args, ref))
+    return eager, names, cases
+
+
 # -- one subject ---------------------------------------------------------------------------------------
 def bench_subject(subject: Subject, *, target_name: str, root: Path, work: Path, runs: int, warmup: int,
                   threads: int, with_ort: bool = True, with_compile: bool = True,
@@ -255,18 +304,9 @@ def bench_subject(subject: Subject, *, target_name: str, root: Path, work: Path,
     import torch
 
     from dsa import passes
-    from dsa.manifest import load_manifest, project
-    from dsa.runtime import sample_inputs
-    from dsa.testing import eager_policy
 
     torch.set_num_threads(threads)
-    manifest = load_manifest(subject.manifest)
-    if not subject.checkpoint.exists():
-        # Outside Bazel the seeded checkpoint is not built: make the same one dsa_checkpoint(seed = 0) makes.
-        from dsa.checkpoint import make_checkpoint
-
-        subject.checkpoint = work / "checkpoint.safetensors"
-        make_checkpoint(project(manifest, "export"), subject.checkpoint, seed=0, pythonpath=[str(root)])
+    manifest = load_subject_manifest(subject, root, work)
     target = read_json(root / "toolchains" / "targets" / f"{target_name}.json")
     tuning_path = root / "toolchains" / "tuning" / f"{subject.family}.{target_name}.json"
     tuning = read_json(tuning_path) if tuning_path.exists() else None
@@ -291,21 +331,17 @@ def bench_subject(subject: Subject, *, target_name: str, root: Path, work: Path,
             if built.rewrites.get(name):
                 variants[f"+{name}"] = built
 
-    record = variants["tuned"].record
+    eager, names, cases = reference_cases(subject, manifest, variants["tuned"].record)
     dims = {}
     if subject.bucket is not None:
         dims[subject.bucket["dim"]] = manifest["buckets"][subject.bucket["dim"]][subject.bucket["slot"]]
-    base_inputs = sample_inputs(record, dims, np.random.default_rng(0))
-    eager, spec = eager_policy(project(manifest, "export"), dims, subject.checkpoint)
-    names = [s.name for s in spec.inputs]
 
     modules = {name: IreeModule(built, target["runtime_driver"]) for name, built in variants.items()}
     ort = None
     ort_error = None
     if with_ort:
         try:
-            args0 = [torch.from_numpy(np.asarray(base_inputs[n])) for n in names]
-            ort = ort_session(eager, args0, names, work / f"{subject.name}.onnx", threads)
+            ort = ort_session(eager, cases[0].args, names, work / f"{subject.name}.onnx", threads)
         except Exception as e:  # reported in the results, not fatal
             ort_error = _error(e)
     compiled = None
@@ -317,15 +353,11 @@ def bench_subject(subject: Subject, *, target_name: str, root: Path, work: Path,
         except Exception as e:
             compile_error = _error(e)
 
-    cases = []
-    for case in subject.cases:
-        inputs = dict(base_inputs)
-        for key, value in case.items():
-            inputs[key] = np.array(value, dtype=np.asarray(base_inputs[key]).dtype)
-        args = [torch.from_numpy(np.asarray(inputs[n])) for n in names]
+    rows = []
+    for case in cases:
+        inputs, args, ref = case.inputs, case.args, case.ref
         with torch.no_grad():
-            ref = eager(*args).numpy().astype(np.float64)
-            row = {"case": subject.case_name(case), "runtimes": {}}
+            row = {"case": case.name, "runtimes": {}}
             fns: Dict[str, Callable[[], object]] = {"eager": lambda: eager(*args)}
             checks = {"eager": parity(ref, ref)}
             for name, module in modules.items():
@@ -349,7 +381,7 @@ def bench_subject(subject: Subject, *, target_name: str, root: Path, work: Path,
             timings = measure_interleaved(fns, warmup=warmup, runs=runs)
             for name, timing in timings.items():
                 row["runtimes"][name] = dict(timing, parity=checks[name])
-        cases.append(row)
+        rows.append(row)
 
     result = {
         "model": subject.name,
@@ -363,7 +395,7 @@ def bench_subject(subject: Subject, *, target_name: str, root: Path, work: Path,
                    "vmfb_bytes": b.vmfb_bytes}
             for name, b in variants.items()
         },
-        "cases": cases,
+        "cases": rows,
         "errors": {k: v for k, v in {"onnxruntime": ort_error, "torch.compile": compile_error}.items() if v},
         "torch_compile_s": compile_s,
     }

@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import numpy as np
-
 from dsa import bench
 from dsa.compile import TUNING_FORMAT
 from dsa.errors import DsaError, run_cli
@@ -87,36 +85,14 @@ def score_candidates(measured: List[dict], models: List[str]) -> None:
 def _measure_model(model: str, subject, *, root: Path, target: dict, candidates: List[dict], runs: int,
                    warmup: int, work: Path) -> Dict[str, dict]:
     """Compiles every candidate for one model, checks parity against eager and times it: name → result."""
-    import torch
-
     from dsa import passes
     from dsa.compile import compile_module
-    from dsa.manifest import load_manifest, project
-    from dsa.runtime import sample_inputs
-    from dsa.testing import eager_policy
+    from dsa.manifest import project
 
-    manifest = load_manifest(subject.manifest)
-    if not subject.checkpoint.exists():
-        from dsa.checkpoint import make_checkpoint
-
-        subject.checkpoint = work / "checkpoint.safetensors"
-        make_checkpoint(project(manifest, "export"), subject.checkpoint, seed=0, pythonpath=[str(root)])
+    manifest = bench.load_subject_manifest(subject, root, work)
     rewrites = list(manifest["model"].get("rewrites", passes.DEFAULT_PASSES))
     base = bench.build_variant(subject, manifest, target, None, rewrites, work / "base", [str(root)])
-    dims = {}
-    if subject.bucket is not None:
-        dims[subject.bucket["dim"]] = manifest["buckets"][subject.bucket["dim"]][subject.bucket["slot"]]
-    inputs0 = sample_inputs(base.record, dims, np.random.default_rng(0))
-    eager, spec = eager_policy(project(manifest, "export"), dims, subject.checkpoint)
-    names = [s.name for s in spec.inputs]
-    cases = []
-    for case in subject.cases:
-        inputs = dict(inputs0)
-        for key, value in case.items():
-            inputs[key] = np.array(value, dtype=np.asarray(inputs0[key]).dtype)
-        with torch.no_grad():
-            ref = eager(*[torch.from_numpy(np.asarray(inputs[n])) for n in names]).numpy().astype(np.float64)
-        cases.append((subject.case_name(case), inputs, ref))
+    _, _, cases = bench.reference_cases(subject, manifest, base.record)
 
     compile_view = dict(project(manifest, "compile", target=manifest["targets"][0]), target=target["name"])
     results = {}
@@ -143,13 +119,13 @@ def _measure_model(model: str, subject, *, root: Path, target: dict, candidates:
         entry["cases"] = {}
         results[cand["name"]] = entry
     # Every compiled candidate is timed in alternating rounds (see bench.measure_interleaved).
-    for case_name, inputs, ref in cases:
-        checks = {name: bench.parity(module(inputs), ref) for name, module in modules.items()}
+    for case in cases:
+        checks = {name: bench.parity(module(case.inputs), case.ref) for name, module in modules.items()}
         timings = bench.measure_interleaved(
-            {name: (lambda m: lambda: m(inputs))(module) for name, module in modules.items()},
+            {name: (lambda m: lambda: m(case.inputs))(module) for name, module in modules.items()},
             warmup=warmup, runs=runs)
         for name in modules:
-            results[name]["cases"][case_name] = dict(timings[name], parity=checks[name])
+            results[name]["cases"][case.name] = dict(timings[name], parity=checks[name])
     for name in modules:
         entry = results[name]
         entry["total_median_ms"] = round(sum(c["median_ms"] for c in entry["cases"].values()), 4)
