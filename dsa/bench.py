@@ -90,24 +90,23 @@ def parity(out: np.ndarray, ref: np.ndarray) -> dict:
 
 
 # -- machine -----------------------------------------------------------------------------------------
-def cpu_flags() -> List[str]:
+def _cpuinfo(key: str) -> Optional[str]:
+    """The value of the first `key` line of /proc/cpuinfo, or None where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return []
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(key):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return None
+
+
+def cpu_flags() -> List[str]:
+    return (_cpuinfo("flags") or "").split()
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or "unknown"
 
 
 def best_target(flags: Sequence[str]) -> str:
@@ -139,6 +138,12 @@ class Subject:
     bucket: Optional[dict]          # {"dim": ..., "slot": ...} or None
     cases: List[dict]               # input overrides per timed case, e.g. [{"steps": 1}, {"steps": 10}]
     ort_goal: bool                  # whether the 1.5x-of-ONNX-Runtime goal applies
+
+    def dims(self, manifest: dict) -> Dict[str, int]:
+        """The timed bucket's size by dim name ({} without buckets)."""
+        if self.bucket is None:
+            return {}
+        return {self.bucket["dim"]: manifest["buckets"][self.bucket["dim"]][self.bucket["slot"]]}
 
     def case_name(self, case: dict) -> str:
         return ", ".join(f"{k}={v}" for k, v in case.items()) or "-"
@@ -279,9 +284,7 @@ def reference_cases(subject: Subject, manifest: dict, record: dict):
     from dsa.runtime import sample_inputs
     from dsa.testing import eager_policy
 
-    dims = {}
-    if subject.bucket is not None:
-        dims[subject.bucket["dim"]] = manifest["buckets"][subject.bucket["dim"]][subject.bucket["slot"]]
+    dims = subject.dims(manifest)
     base = sample_inputs(record, dims, np.random.default_rng(0))
     eager, spec = eager_policy(project(manifest, "export"), dims, subject.checkpoint)
     names = [s.name for s in spec.inputs]
@@ -332,9 +335,7 @@ def bench_subject(subject: Subject, *, target_name: str, root: Path, work: Path,
                 variants[f"+{name}"] = built
 
     eager, names, cases = reference_cases(subject, manifest, variants["tuned"].record)
-    dims = {}
-    if subject.bucket is not None:
-        dims[subject.bucket["dim"]] = manifest["buckets"][subject.bucket["dim"]][subject.bucket["slot"]]
+    dims = subject.dims(manifest)
 
     modules = {name: IreeModule(built, target["runtime_driver"]) for name, built in variants.items()}
     ort = None
