@@ -177,6 +177,43 @@ class Traced:
     where: str
 
 
+def _has_inplace_ops(exported) -> bool:
+    """Whether the exported graph (or a subgraph) still calls a mutating ATen op (`relu_`, `add_`, ...).
+    torch.export's training IR keeps them (torchvision's ResNets use ReLU(inplace=True)); the torch-dialect
+    importer cannot take them."""
+    for module in exported.graph_module.modules():
+        graph = getattr(module, "graph", None)
+        for node in graph.nodes if graph is not None else []:
+            schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+            if schema is not None and schema.is_mutable:
+                return True
+    return False
+
+
+def load_policy_config(view: dict, path: Optional[Union[str, Path]], manifest_name: str = "manifest") -> dict:
+    """A `framework: lerobot` view with its policy's config.json (checked against the manifest's digest) put
+    in `view["model"]["pretrained_config"]`, where dsa.lerobot's entry point reads it. Other views pass."""
+    pinned = view["model"].get("policy_config")
+    if view.get("framework") != "lerobot" or pinned is None:
+        return view
+    where = f"{manifest_name}: model.policy_config"
+    if path is None:
+        raise DsaError(where, "the export was given no policy config.json",
+                       "pass the policy directory's config.json (dsa_model's `policy_config`, or --policy-config)")
+    path = Path(path)
+    if not path.is_file():
+        raise DsaError(where, f"no such file: {path}", "point model.policy_config.path at the policy's config.json")
+    digest = sha256_file(path)
+    if digest != pinned["sha256"]:
+        raise DsaError(
+            f"{where}.sha256",
+            f"{path} has sha256 {digest}, the manifest pins {pinned['sha256']}",
+            "if the new config is intended, update model.policy_config.sha256; else restore the file",
+        )
+    view = dict(view, model=dict(view["model"], pretrained_config=read_json(path)))
+    return view
+
+
 def rewrite_names(view: dict) -> List[str]:
     """The graph rewrites the export view asks for (`model.rewrites`), or dsa.passes' defaults."""
     from dsa import passes
@@ -192,6 +229,7 @@ def trace_model(
     pythonpath: Sequence[str] = (),
     manifest_name: str = "manifest",
     rewrites: Optional[Sequence[str]] = None,
+    policy_config: Optional[Union[str, Path]] = None,
 ) -> Traced:
     """Builds the model the export view names, traces it with torch.export (dynamic dims dynamic, a bucket's
     dim fixed) and applies the graph rewrites (`rewrites`, default: the view's)."""
@@ -200,6 +238,7 @@ def trace_model(
     from iree.turbine import aot
 
     importer_fixes.apply()
+    view = load_policy_config(view, policy_config, manifest_name)
     entry = load_entry_point(view["model"]["entry_point"], pythonpath)
 
     # A first call at a nominal size tells us the model's dynamic dims and their minimums.
@@ -249,6 +288,9 @@ def trace_model(
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DsaError(where, f"torch.export failed: {type(e).__name__}: {first}",
                        "make the model traceable by torch.export (see the message above)") from None
+    if _has_inplace_ops(exported):
+        # Functionalise (an empty decomposition table: only in-place → out-of-place, nothing decomposed).
+        exported = exported.run_decompositions({})
     names_to_apply = rewrite_names(view) if rewrites is None else list(rewrites)
     counts: Dict[str, int] = {}
     if names_to_apply:
@@ -269,6 +311,7 @@ def export_model(
     pythonpath: Sequence[str] = (),
     manifest_name: str = "manifest",
     rewrites: Optional[Sequence[str]] = None,
+    policy_config: Optional[Union[str, Path]] = None,
 ) -> dict:
     """Exports the model that `view["model"]["entry_point"]` builds. Returns the export record."""
     import numpy as np
@@ -276,7 +319,7 @@ def export_model(
     from iree.turbine import aot
 
     t = trace_model(view, bucket=bucket, pythonpath=pythonpath, manifest_name=manifest_name,
-                    rewrites=rewrites)
+                    rewrites=rewrites, policy_config=policy_config)
     spec, module, exported, traced = t.spec, t.module, t.exported, t.traced_inputs
     minimums, names, static, quantized, where = t.minimums, t.dim_names, t.static, t.quantized, t.where
 
@@ -291,6 +334,9 @@ def export_model(
         for name, tensor in sorted(module.state_dict().items())
         if name in named
     ]
+    # The module's own tensors that this graph never reads (a training-only branch): a checkpoint may hold
+    # them; the parameter stage leaves them out.
+    unused = sorted(name for name in module.state_dict() if name not in named)
     if "dense_resource<" in mlir:
         raise DsaError(where, "the MLIR inlines tensor values (dense_resource): weights were not externalised",
                        "register every weight as an nn.Parameter or persistent buffer of the exported module")
@@ -350,6 +396,10 @@ def export_model(
         },
     }
     record["rewrites"] = t.rewrites
+    if unused:
+        record["unused_parameters"] = unused
+    if policy_config is not None and view["model"].get("policy_config"):
+        record["policy_config_sha256"] = view["model"]["policy_config"]["sha256"]
     if quantized:
         record["quantization"] = {"scheme": view["quant_scheme"], "tensors": quantized}
     if bucket is not None:
@@ -396,6 +446,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--source", action="append", default=[], help="model source file to digest")
     parser.add_argument("--pythonpath", action="append", default=[], help="directory holding model code")
     parser.add_argument("--manifest-name", default="manifest", help="manifest path, for messages")
+    parser.add_argument("--policy-config", help="framework lerobot: the policy's config.json")
     parser.add_argument("--out-mlir", required=True)
     parser.add_argument("--out-record", required=True)
     a = parser.parse_args(argv)
@@ -416,6 +467,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         sources=a.source,
         pythonpath=a.pythonpath,
         manifest_name=a.manifest_name,
+        policy_config=a.policy_config,
     )
 
 

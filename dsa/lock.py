@@ -42,8 +42,12 @@ def make_lock(
     modules: List[ModuleFiles],
     params: Path,
     tuning: Optional[tuple] = None,
+    policy_config: Optional[Path] = None,
+    export_identity: Optional[dict] = None,
 ) -> dict:
-    """`tuning`: (repository-relative key, path) of the tuning file the modules were compiled with."""
+    """`tuning`: (repository-relative key, path) of the tuning file the modules were compiled with.
+    `policy_config`: framework lerobot, the policy's config.json; `export_identity`: the environment the
+    export ran in when it is not `identity`'s (LeRobot policies)."""
     compile_view = read_json(views["compile"])
     modules_out = []
     artifacts: Dict[str, str] = {"params.irpa": sha256_file(params)}
@@ -76,6 +80,10 @@ def make_lock(
         "modules": sorted(modules_out, key=lambda e: e["name"]),
         "artifacts": dict(sorted(artifacts.items())),
     }
+    if policy_config is not None:
+        lock["policy_config"] = {"sha256": sha256_file(policy_config)}
+    if export_identity is not None:
+        lock["export_toolchain"] = export_identity
     if tuning is not None:
         key, path = tuning
         lock["tuning"] = {"path": key, "sha256": sha256_file(path), "flags": read_json(path)["flags"]}
@@ -111,6 +119,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="NAME=MLIR,EXPORT_RECORD,VMFB,COMPILE_REPORT")
     parser.add_argument("--params", required=True)
     parser.add_argument("--tuning", help="KEY=PATH of the tuning file the modules were compiled with")
+    parser.add_argument("--policy-config", help="framework lerobot: the policy's config.json")
+    parser.add_argument("--export-identity", help="identity.json of the environment the export ran in, if another")
     parser.add_argument("--out", required=True)
     a = parser.parse_args(argv)
     modules = []
@@ -130,6 +140,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         modules=modules,
         params=Path(a.params),
         tuning=next(iter(_pairs([a.tuning], "--tuning").items())) if a.tuning else None,
+        policy_config=Path(a.policy_config) if a.policy_config else None,
+        export_identity=read_json(a.export_identity) if a.export_identity else None,
     )
     write_json_atomic(a.out, lock)
 

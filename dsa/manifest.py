@@ -422,6 +422,22 @@ def _semantic_problems(
     min_bucket: Optional[Mapping[str, int]],
 ) -> Iterator[Tuple[FieldPath, str, str]]:
     """Yields (field path, message, hint) for what the schema cannot express, in manifest order."""
+    model = manifest["model"]
+    if manifest["framework"] == "lerobot" and "policy_config" not in model:
+        yield (
+            ("model",),
+            "framework 'lerobot' needs model.policy_config (the policy's config.json and its sha256)",
+            "add model.policy_config: {path: config.json, sha256: ...}, the file next to model.safetensors",
+        )
+    if manifest["framework"] != "lerobot":
+        for field in ("policy_config", "denoising_loop"):
+            if field in model:
+                yield (
+                    ("model", field),
+                    f"model.{field} is read only for framework 'lerobot' (this manifest's: "
+                    f"'{manifest['framework']}')",
+                    f"remove model.{field}, or set framework: lerobot",
+                )
     inputs = manifest["inputs"]
     first_camera: Dict[str, int] = {}
     for i, camera in enumerate(inputs["cameras"]):

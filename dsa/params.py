@@ -91,7 +91,10 @@ def build_params(
     recorded = {p["name"]: p for p in record["parameters"]}
     present = set(handle.keys())
     missing = sorted(set(wanted) - present)
-    extra = sorted(present - set(wanted))
+    # Tensors of the model that inference never reads (ACT's training-only VAE encoder) are in a real
+    # checkpoint but not in the graph: the export record names them, and they are left out of the archive.
+    unused = set(record.get("unused_parameters", []))
+    extra = sorted(present - set(wanted) - unused)
     if missing or extra:
         parts = []
         if missing:

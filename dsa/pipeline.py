@@ -36,6 +36,7 @@ def run_pipeline(
     pythonpath: List[str] = (),
     requirements_lock: Path = Path("requirements_lock.txt"),
     tuning: Optional[dict] = None,
+    policy_config: Optional[Path] = None,
 ) -> List[Path]:
     """`tuning` maps a target name to the tuning file (toolchains/tuning/<family>.<target>.json) to compile it
     with; targets without one compile with the target spec's flags only."""
@@ -60,12 +61,16 @@ def run_pipeline(
         raise DsaError(f"{name}: checkpoint.path", f"no checkpoint at {checkpoint}",
                        "pass --checkpoint FILE, or --seeded-checkpoint SEED for a generated stand-in")
 
+    if policy_config is None and "policy_config" in manifest["model"]:
+        # framework lerobot: the policy's config.json, relative to the manifest
+        policy_config = manifest_path.parent / manifest["model"]["policy_config"]["path"]
     entry_point = export_view["model"]["entry_point"]
     sources = {}
     for rel in model_source_files(entry_point, pythonpath):
         sources[rel] = next(str(Path(root) / rel) for root in pythonpath if (Path(root) / rel).exists())
     record = export_model(export_view, out / "model.mlir", out / "export_record.json",
-                          sources=sources, pythonpath=pythonpath, manifest_name=name)
+                          sources=sources, pythonpath=pythonpath, manifest_name=name,
+                          policy_config=policy_config)
     build_params(checkpoint, params_view, record, out / "params.irpa", manifest_name=name)
 
     view_files = {"export": views / "export_view.json", "params": views / "params_view.json",
@@ -79,7 +84,7 @@ def run_pipeline(
             write_json_atomic(view_files[f"bucket/{dim}_{slot}"], bucket)
             export_model(export_view, stem.with_suffix(".mlir"), stem.with_suffix(".export_record.json"),
                          bucket=bucket, reference_record=record, sources=sources, pythonpath=pythonpath,
-                         manifest_name=name)
+                         manifest_name=name, policy_config=policy_config)
             exported.append((stem.with_suffix(".mlir"), stem.with_suffix(".export_record.json")))
     if not exported:
         exported.append((out / "model.mlir", out / "export_record.json"))
@@ -127,6 +132,7 @@ def run_pipeline(
             modules=module_files,
             params=out / "params.irpa",
             tuning=(_tuning_key(tuning_file), tuning_file) if tuning_file else None,
+            policy_config=policy_config,
         ))
         indexes.append(index)
     return indexes
@@ -170,12 +176,16 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="the lock the Python environment was installed from (recorded in the lock)")
     parser.add_argument("--pythonpath", action="append", default=None,
                         help="directory holding the model code (default: the current directory)")
+    parser.add_argument("--policy-config", type=Path,
+                        help="framework lerobot: the policy's config.json (default: model.policy_config.path, "
+                        "relative to the manifest)")
     parser.add_argument("--tuning", action="append", default=[], metavar="TARGET=FILE",
                         help="compile TARGET with this tuning file (toolchains/tuning/<family>.<target>.json)")
     a = parser.parse_args(argv)
     indexes = run_pipeline(a.manifest, a.out, targets_dir=a.targets_dir, checkpoint=a.checkpoint,
                            seeded_checkpoint=a.seeded_checkpoint, pythonpath=a.pythonpath or ["."],
-                           requirements_lock=a.requirements_lock, tuning=_tuning_args(a.tuning))
+                           requirements_lock=a.requirements_lock, tuning=_tuning_args(a.tuning),
+                           policy_config=a.policy_config)
     for index in indexes:
         print(f"dsa-compile: wrote {index} and {index.name.replace('.modules.json', '.lock.json')}")
 

@@ -1,6 +1,6 @@
 """dsa_bucket: specialises a dynamic dim of an exported model into shape buckets."""
 
-load(":common.bzl", "ACTION_ENV", "execution_requirements", "TOOL_ATTRS", "manifest_view")
+load(":common.bzl", "ENV_ATTRS", "TOOL_ATTRS", "execution_requirements", "manifest_view", "run_tool")
 load(":providers.bzl", "DsaBucketInfo", "DsaModelInfo")
 
 def _dsa_bucket_impl(ctx):
@@ -24,20 +24,24 @@ def _dsa_bucket_impl(ctx):
         args.add("--manifest-name", model.manifest.short_path)
         args.add_all(model.pythonpath, before_each = "--pythonpath")
         args.add_all(model.own_sources, before_each = "--source")
+        if model.policy_config:
+            args.add("--policy-config", model.policy_config)
         args.add("--out-mlir", mlir)
         args.add("--out-record", record)
-        ctx.actions.run(
-            executable = ctx.executable._export_tool,
-            arguments = [args],
-            inputs = depset(
-                [model.export_view, view, model.export_record, ctx.file._toolchain_identity],
+        run_tool(
+            ctx,
+            model.python_env,
+            ctx.executable._export_tool,
+            "dsa.export",
+            [args],
+            depset(
+                [model.export_view, view, model.export_record] + ([model.policy_config] if model.policy_config else []),
                 transitive = [model.model_sources],
             ),
             outputs = [mlir, record],
             mnemonic = "DsaExport",
             progress_message = "Exporting %s bucket %s[%d]" % (ctx.label, dim, slot),
-            env = ACTION_ENV,
-        execution_requirements = execution_requirements(ctx),
+            execution_requirements = execution_requirements(ctx),
         )
         mlirs.append(mlir)
         records.append(record)
@@ -57,6 +61,7 @@ each bucket is its own export and compile action: editing one bucket size reruns
 `count` must equal the number of sizes the manifest lists (Bazel fixes the action graph before reading
 files); the manifest check says so when they disagree.""",
     attrs = dict(TOOL_ATTRS, **{
+        "_tool_sources": ENV_ATTRS["_tool_sources"],
         "model": attr.label(mandatory = True, providers = [DsaModelInfo]),
         "dim": attr.string(mandatory = True, doc = "The dynamic dim to bucket (e.g. prompt_len)."),
         "count": attr.int(mandatory = True, doc = "How many bucket sizes the manifest lists for `dim`."),

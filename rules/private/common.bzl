@@ -11,6 +11,51 @@ TOOL_ATTRS = {
     "_toolchain_identity": attr.label(default = Label("@dsa_python//:identity.json"), allow_single_file = True),
 }
 
+# For rules whose actions may run in another dsa_python_env than the registered toolchain's (LeRobot
+# policies need torch 2.14.1 + LeRobot): that environment's `:env`, and the tool sources to run there.
+ENV_ATTRS = {
+    "python_env": attr.label(
+        allow_files = True,
+        cfg = "exec",
+        doc = "A dsa_python_env's `:env` to run the export in, instead of the registered toolchain's " +
+              "environment; LeRobot policies (framework: lerobot) need \"@dsa_lerobot_python//:env\".",
+    ),
+    "_tool_sources": attr.label(default = Label("//dsa:tool_sources"), allow_files = True),
+}
+
+def python_env_of(target):
+    """struct(python, identity, files) of a dsa_python_env's `:env` target, or None for no target."""
+    if not target:
+        return None
+    files = target.files.to_list()
+    python = [f for f in files if f.basename == "python3"]
+    identity = [f for f in files if f.basename == "identity.json"]
+    if len(python) != 1 or len(identity) != 1:
+        fail("python_env must be a dsa_python_env's :env target (bin/python3 and identity.json), got %s" % target.label)
+    return struct(python = python[0], identity = identity[0], files = files)
+
+def run_tool(ctx, env, tool, module, arguments, inputs, **kwargs):
+    """Runs a //dsa tool: its py_binary on the toolchain's environment (env None), else `python -m module`
+    on `env`'s interpreter with the tool sources as inputs. The environment's identity is added to the
+    inputs either way, so a different environment is a different action key."""
+    if env == None:
+        ctx.actions.run(
+            executable = tool,
+            arguments = arguments,
+            inputs = depset([ctx.file._toolchain_identity], transitive = [inputs]),
+            env = ACTION_ENV,
+            **kwargs
+        )
+        return
+    sources = ctx.files._tool_sources
+    ctx.actions.run(
+        executable = env.python,
+        arguments = ["-m", module] + arguments,
+        inputs = depset(env.files + sources, transitive = [inputs]),
+        env = dict(ACTION_ENV, PYTHONPATH = ":".join(pythonpath_of(sources))),
+        **kwargs
+    )
+
 # Deterministic, path-free environment for every tool: no user site, fixed hash seed, one thread where a
 # library would otherwise size itself to the machine.
 ACTION_ENV = {

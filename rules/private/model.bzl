@@ -1,7 +1,7 @@
 """dsa_model: checkpoint + manifest + model code → exported MLIR, export record and parameter archive."""
 
 load("@rules_python//python:defs.bzl", "PyInfo")
-load(":common.bzl", "ACTION_ENV", "execution_requirements", "TOOL_ATTRS", "manifest_view", "pythonpath_of")
+load(":common.bzl", "ACTION_ENV", "ENV_ATTRS", "TOOL_ATTRS", "execution_requirements", "manifest_view", "python_env_of", "pythonpath_of", "run_tool")
 load(":providers.bzl", "DsaModelInfo")
 
 # rules_dsa's own `dsa` package: model code imports dsa.spec, but it is tool code, recorded as such in
@@ -42,16 +42,22 @@ def _dsa_model_impl(ctx):
     args.add("--manifest-name", manifest.short_path)
     args.add_all(pythonpath_of(source_list), before_each = "--pythonpath")
     args.add_all(own_sources, before_each = "--source")
+    policy_config = ctx.file.policy_config
+    if policy_config:
+        args.add("--policy-config", policy_config)
     args.add("--out-mlir", mlir)
     args.add("--out-record", record)
-    ctx.actions.run(
-        executable = ctx.executable._export_tool,
-        arguments = [args],
-        inputs = depset([export_view, identity], transitive = [sources]),
+    python_env = python_env_of(ctx.attr.python_env)
+    run_tool(
+        ctx,
+        python_env,
+        ctx.executable._export_tool,
+        "dsa.export",
+        [args],
+        depset([export_view] + ([policy_config] if policy_config else []), transitive = [sources]),
         outputs = [mlir, record],
         mnemonic = "DsaExport",
         progress_message = "Exporting %s to torch-dialect MLIR" % ctx.label,
-        env = ACTION_ENV,
         execution_requirements = execution_requirements(ctx),
     )
 
@@ -88,6 +94,8 @@ def _dsa_model_impl(ctx):
             model_sources = sources,
             own_sources = own_sources,
             pythonpath = pythonpath_of(source_list),
+            policy_config = policy_config,
+            python_env = python_env,
         ),
         OutputGroupInfo(views = depset([export_view, params_view, runtime_view])),
     ]
@@ -100,13 +108,14 @@ The manifest's `model.entry_point` names the function (in `deps`) that builds th
 (DsaExport) reads only the manifest's export view and the model code, the parameter archive (DsaParams)
 only the checkpoint, the params view and the export record. So a new checkpoint of the same architecture
 reruns DsaParams alone.""",
-    attrs = dict(TOOL_ATTRS, **{
+    attrs = dict(TOOL_ATTRS, **dict(ENV_ATTRS, **{
         "manifest": attr.label(mandatory = True, allow_single_file = [".yaml", ".yml"], doc = "Deployment manifest."),
         "checkpoint": attr.label(mandatory = True, allow_single_file = [".safetensors"], doc = "Checkpoint (safetensors); its sha256 must match the manifest's."),
+        "policy_config": attr.label(allow_single_file = [".json"], doc = "framework lerobot: the policy's config.json (its sha256 must match the manifest's model.policy_config)."),
         "deps": attr.label_list(providers = [PyInfo], doc = "py_library targets holding the model code."),
         "_export_tool": attr.label(default = Label("//dsa:export_tool"), executable = True, cfg = "exec"),
         "_params_tool": attr.label(default = Label("//dsa:params_tool"), executable = True, cfg = "exec"),
-    }),
+    })),
     provides = [DsaModelInfo],
 )
 
@@ -144,4 +153,53 @@ not at hand). Byte-identical on every machine, so the manifest can pin its sha25
         "out": attr.output(mandatory = True, doc = "The .safetensors file to write."),
         "_checkpoint_tool": attr.label(default = Label("//dsa:checkpoint_tool"), executable = True, cfg = "exec"),
     }),
+)
+
+def _dsa_lerobot_policy_impl(ctx):
+    out_config = ctx.outputs.config_json
+    out_weights = ctx.outputs.weights
+    args = ctx.actions.args()
+    args.add("init")
+    args.add("--config-file", ctx.file.config)
+    args.add("--seed", str(ctx.attr.seed))
+    args.add("--out-dir", out_config.dirname)
+    run_tool(
+        ctx,
+        python_env_of(ctx.attr.python_env),
+        None,
+        "dsa.lerobot",
+        [args],
+        depset([ctx.file.config]),
+        outputs = [out_config, out_weights],
+        mnemonic = "DsaCheckpoint",
+        progress_message = "Initialising LeRobot policy %s" % ctx.label,
+        execution_requirements = execution_requirements(ctx),
+    )
+    return [DefaultInfo(
+        files = depset([out_config, out_weights]),
+        runfiles = ctx.runfiles(files = [out_config, out_weights]),
+    )]
+
+dsa_lerobot_policy = rule(
+    implementation = _dsa_lerobot_policy_impl,
+    doc = """A LeRobot policy with seeded random weights, saved in LeRobot's own format by LeRobot's own
+`save_pretrained`: `<name>/config.json` and `<name>/model.safetensors`, byte-identical on every machine
+(stand-ins for trained policies, which cannot be downloaded here). `config` is a JSON file: the policy
+`type` (act, diffusion) and the fields of LeRobot's config class for it, features included.""",
+    attrs = dict(TOOL_ATTRS, **dict(ENV_ATTRS, **{
+        "config": attr.label(mandatory = True, allow_single_file = [".json"], doc = "Policy type and config fields (JSON)."),
+        "seed": attr.int(default = 0),
+        "python_env": attr.label(
+            default = Label("@dsa_lerobot_python//:env"),
+            allow_files = True,
+            cfg = "exec",
+            doc = "The dsa_python_env with LeRobot installed.",
+        ),
+    })),
+    # Predeclared, so that `:<name>/config.json` and `:<name>/model.safetensors` are labels a dsa_model
+    # (and a manifest's relative paths) can name.
+    outputs = {
+        "config_json": "%{name}/config.json",
+        "weights": "%{name}/model.safetensors",
+    },
 )

@@ -23,6 +23,8 @@ DsaModelInfo = provider(
         "model_sources": "depset of Files: every Python source the export imports (model code and dsa.spec).",
         "own_sources": "list of Files: the model's own sources (model_sources without rules_dsa's dsa package).",
         "pythonpath": "list of str: execroot-relative directories that hold the model code's packages.",
+        "policy_config": "File or None: framework lerobot, the policy's config.json.",
+        "python_env": "struct(python, identity, files) or None: the environment the export runs in, when not the toolchain's.",
     },
 )
 

@@ -28,4 +28,10 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    argv = sys.argv[1:]
+    if argv[:1] == ["--python"]:
+        # dsa_py_test(python = ...): run under that environment's interpreter instead; PYTHONPATH (the
+        # runfiles' import roots, set by the launcher) carries over.
+        python = os.path.abspath(argv[1])
+        os.execv(python, [python, os.path.abspath(__file__)] + argv[2:])
+    sys.exit(main(argv))

@@ -22,6 +22,13 @@ def _lock_action(ctx, lock, model, target, compile_view, bucket_views, mlirs, re
         for m, r, v, p in zip(mlirs, records, vmfbs, reports)
     ], before_each = "--module")
     args.add("--params", model.params)
+    extra = []
+    if model.policy_config:
+        args.add("--policy-config", model.policy_config)
+        extra.append(model.policy_config)
+    if model.python_env:
+        args.add("--export-identity", model.python_env.identity)
+        extra.append(model.python_env.identity)
     tuning = ctx.file.tuning
     if tuning:
         args.add("--tuning", "%s=%s" % (repo_relative(tuning), tuning.path))
@@ -31,7 +38,7 @@ def _lock_action(ctx, lock, model, target, compile_view, bucket_views, mlirs, re
         arguments = [args],
         inputs = depset(
             [model.manifest, model.checkpoint, ctx.file._toolchain_identity, target.spec, model.params] +
-            views.values() + model.own_sources + tool_sources + mlirs + records + vmfbs + reports +
+            views.values() + model.own_sources + tool_sources + mlirs + records + vmfbs + reports + extra +
             ([tuning] if tuning else []),
         ),
         outputs = [lock],

@@ -38,6 +38,13 @@ filegroup(
     srcs = ["identity.json"],
 )
 
+# The environment as a rule attribute takes it (`python_env` of dsa_model, dsa_lerobot_policy,
+# dsa_py_test): the interpreter wrapper and the identity. For an environment not registered as the toolchain.
+filegroup(
+    name = "env",
+    srcs = ["bin/python3", "identity.json"],
+)
+
 # identity.json rides along as a runtime file, so it is an input of every
 # Python action: a different environment gives different action keys.
 py_runtime(
