@@ -80,8 +80,9 @@ def tuning_flags(tuning: dict, target: dict, where: str) -> List[str]:
 
 def manifest_flags(view: dict) -> List[str]:
     """Flags implied by the compile view. Quantised weights must stay packed until the matmul: no constant
-    evaluation or hoisting (which would materialise float weights at load), and dequantisation fused into
-    the matmul's dispatch."""
+    evaluation or hoisting (which would materialise float weights at load), and the matmul's producers not
+    kept out of its dispatch. (IREE 3.13 llvm-cpu still runs the dequantisation as its own elementwise
+    dispatch: see README, "Weight-only quantisation".)"""
     if view["quant_scheme"]["kind"] in ("int8", "int4"):
         return ["--iree-opt-const-eval=false", "--iree-opt-const-expr-hoisting=false",
                 "--iree-dispatch-creation-block-matmul-producer-fusion=false"]

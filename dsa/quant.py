@@ -74,17 +74,19 @@ def _quant_linear_class():
             self.in_features, self.out_features = in_f, out_f
 
         def dequantized(self):
-            if self.kind == "int8":
-                q = self.weight.to(torch.float32)
-            else:
-                # Nibbles by float arithmetic: IREE lowers floor/sub, not aten's uint8 shift ops.
-                byte = self.weight.to(torch.float32)
-                high = torch.floor(byte / 16.0)
-                low = byte - 16.0 * high
-                q = torch.stack([low, high], dim=-1).reshape(self.out_features, self.in_features) - 8.0
+            out_f, n_groups = self.out_features, self.in_features // self.group
             scale = getattr(self, "weight" + SCALE_SUFFIX)
-            groups = q.reshape(self.out_features, self.in_features // self.group, self.group)
-            return (groups * scale.unsqueeze(-1)).reshape(self.out_features, self.in_features)
+            if self.kind == "int8":
+                groups = self.weight.to(torch.float32).reshape(out_f, n_groups, self.group)
+                return (groups * scale.unsqueeze(-1)).reshape(out_f, self.in_features)
+            # Both nibbles of each byte by one broadcast over a [1, 16] divisor, in float arithmetic (IREE
+            # lowers floor/sub, not aten's uint8 shifts): one elementwise dispatch per weight, where
+            # unpacking low and high separately and stacking them took four. The divisor is built from
+            # arange: a literal tensor constant does not import.
+            byte = self.weight.to(torch.float32).reshape(out_f, n_groups, self.group // 2, 1)
+            divisor = 1.0 + 15.0 * torch.arange(2, dtype=torch.float32)
+            nibbles = torch.floor(byte / divisor) - 16.0 * torch.floor(byte / (16.0 * divisor))
+            return ((nibbles - 8.0) * scale.reshape(out_f, n_groups, 1, 1)).reshape(out_f, self.in_features)
 
         def forward(self, x):
             return torch.nn.functional.linear(x, self.dequantized(), self.bias)
