@@ -4,6 +4,9 @@
         --module NAME=VMFB,EXPORT_RECORD,COMPILE_REPORT ... --out NAME.tar [--digest NAME.sha256]
     python -m dsa.bundle create --index out/pi0/x86_64-v3.modules.json --manifest manifests/pi0.yaml \\
         --target-spec toolchains/targets/x86_64-v3.json --out pi0_bundle.tar    # from dsa-compile's output
+    python -m dsa.bundle create --pipeline bazel-bin/models/groot.pipeline.json \\
+        --stage-manifest groot_backbone=manifests/groot_backbone.yaml \\
+        --stage-manifest groot_head=manifests/groot_head.yaml --out groot_bundle.tar   # a linked pipeline
     python -m dsa.bundle verify NAME.tar          # every check `dsa run --bundle` makes, then a summary
     python -m dsa.bundle list NAME.tar            # the files, their sizes and digests
     python -m dsa.bundle release NAME.tar DEST    # verify, then copy NAME.tar and NAME.sha256 into DEST
@@ -14,6 +17,10 @@ layout, format 1, is specified in docs/bundle-format.md: the vmfbs with their ex
 reports, the parameter archive, the manifest and its runtime view, the target spec, the recipe lock
 (`lock.json`), a build report, an in-toto/SLSA provenance statement and `bundle.json` (format, identity,
 the digest and size of every other file, and the module index relative to the bundle root).
+
+A pipeline bundle (`dsa_bundle(pipeline = ...)`, "Pipeline bundles" in docs/bundle-format.md) holds several
+linked models: each stage's files as above, named `<stage>.<file>`, the link (`link.json`) and the pipeline
+index (`pipeline.json`); bundle.json says `"kind": "pipeline"` and lists the stages.
 
 A reader refuses, with one message naming what failed: an archive whose sha256 differs from the
 `NAME.sha256` beside it, a truncated or padded archive, members that are not plain files with plain names,
@@ -205,24 +212,23 @@ def _provenance(lock: dict, subjects: Dict[str, str], manifest_source: str, bund
     }
 
 
-def create_bundle(
-    out: Path,
-    *,
-    lock: Path,
-    manifest: Path,
-    runtime_view: Path,
-    target_spec: Path,
-    params: Path,
-    modules: Sequence[ModuleInput],
-    manifest_source: Optional[str] = None,
-    digest_out: Optional[Path] = None,
-) -> str:
-    """Writes the bundle archive `out` (and `digest_out`, default NAME.sha256 beside it); returns its sha256.
+@dataclasses.dataclass
+class _Stage:
+    """One model's files as a bundle holds them (names relative to the model's part of the bundle)."""
 
-    The result depends only on the contents of the inputs and on `manifest_source` (the manifest's
-    repository-relative name, recorded in bundle.json and the provenance), never on where the inputs are.
-    Refuses inputs that disagree with the lock (so a bundle's lock always describes its own files)."""
-    out = Path(out)
+    lock: dict
+    payload: Dict[str, Path]
+    records: Dict[str, dict]
+    reports: Dict[str, dict]
+    digests: Dict[str, str]
+    sizes: Dict[str, int]
+    index: dict
+
+
+def _collect(*, lock: Path, manifest: Path, runtime_view: Path, target_spec: Path, params: Path,
+             modules: Sequence[ModuleInput]) -> _Stage:
+    """Reads one model's files and checks them against its lock (so a bundle's lock always describes its own
+    files); returns them with their digests, sizes and module index."""
     lock_path = Path(lock)
     lock_data = read_json(lock_path)
     if lock_data.get("format") != LOCK_FORMAT:
@@ -286,10 +292,54 @@ def create_bundle(
         "target_spec": TARGET_SPEC_JSON,
         "modules": [{"vmfb": f"{name}.vmfb", "record": f"{name}.export_record.json"} for name in sorted(records)],
     }
+    return _Stage(lock_data, payload, records, reports, digests, sizes, index)
+
+
+def _write_archive(out: Path, payload: Dict[str, Path], generated: Dict[str, bytes], sizes: Dict[str, int],
+                   digest_out: Optional[Path]) -> str:
+    names = sorted(set(payload) | set(generated))
+    with atomic_output(out) as tmp:
+        with open(tmp, "wb") as raw:
+            with tarfile.open(fileobj=raw, mode="w", format=TAR_FORMAT) as tar:
+                for name in names:
+                    if name in generated:
+                        data = generated[name]
+                        tar.addfile(_tarinfo(name, len(data)), io.BytesIO(data))
+                    else:
+                        with open(payload[name], "rb") as f:
+                            tar.addfile(_tarinfo(name, sizes[name]), f)
+    sha = sha256_file(out)
+    digest_out = Path(digest_out) if digest_out else sidecar_path(out)
+    with atomic_output(digest_out) as tmp:
+        tmp.write_text(digest_line(sha, out.name), encoding="utf-8")
+    return sha
+
+
+def create_bundle(
+    out: Path,
+    *,
+    lock: Path,
+    manifest: Path,
+    runtime_view: Path,
+    target_spec: Path,
+    params: Path,
+    modules: Sequence[ModuleInput],
+    manifest_source: Optional[str] = None,
+    digest_out: Optional[Path] = None,
+) -> str:
+    """Writes the bundle archive `out` (and `digest_out`, default NAME.sha256 beside it); returns its sha256.
+
+    The result depends only on the contents of the inputs and on `manifest_source` (the manifest's
+    repository-relative name, recorded in bundle.json and the provenance), never on where the inputs are.
+    Refuses inputs that disagree with the lock (so a bundle's lock always describes its own files)."""
+    out = Path(out)
+    stage = _collect(lock=lock, manifest=manifest, runtime_view=runtime_view, target_spec=target_spec,
+                     params=params, modules=modules)
+    lock_data, payload, digests, sizes, index = stage.lock, stage.payload, stage.digests, stage.sizes, stage.index
     manifest_source = manifest_source or Path(manifest).name
     generated: Dict[str, bytes] = {
         INDEX_JSON: _json_bytes(index),
-        BUILD_REPORT_JSON: _json_bytes(_build_report(lock_data, records, reports, sizes, digests)),
+        BUILD_REPORT_JSON: _json_bytes(_build_report(lock_data, stage.records, stage.reports, sizes, digests)),
     }
     for name, data in generated.items():
         digests[name], sizes[name] = hashlib.sha256(data).hexdigest(), len(data)
@@ -312,23 +362,185 @@ def create_bundle(
         "files": {name: {"sha256": digests[name], "size": sizes[name]} for name in sorted(digests)},
     }
     generated[BUNDLE_JSON] = _json_bytes(meta)
+    return _write_archive(out, payload, generated, sizes, digest_out)
 
-    names = sorted(set(payload) | set(generated))
-    with atomic_output(out) as tmp:
-        with open(tmp, "wb") as raw:
-            with tarfile.open(fileobj=raw, mode="w", format=TAR_FORMAT) as tar:
-                for name in names:
-                    if name in generated:
-                        data = generated[name]
-                        tar.addfile(_tarinfo(name, len(data)), io.BytesIO(data))
-                    else:
-                        with open(payload[name], "rb") as f:
-                            tar.addfile(_tarinfo(name, sizes[name]), f)
-    sha = sha256_file(out)
-    digest_out = Path(digest_out) if digest_out else sidecar_path(out)
-    with atomic_output(digest_out) as tmp:
-        tmp.write_text(digest_line(sha, out.name), encoding="utf-8")
-    return sha
+
+# ---------------------------------------------------------------------------------------------------------
+# Pipeline bundles: several models linked by dsa_pipeline (docs/bundle-format.md, "Pipeline bundles")
+
+LINK_JSON = "link.json"
+PIPELINE_JSON = "pipeline.json"
+# dsa.link's LINK_FORMAT and PIPELINE_INDEX_FORMAT (not imported: the bundle tool does not depend on the
+# link tool; tests/tools/link_test.py checks that they agree).
+LINK_FORMAT = 1
+PIPELINE_INDEX_FORMAT = 1
+
+
+@dataclasses.dataclass
+class StageInput:
+    """One stage of a pipeline bundle: create_bundle's inputs for one model, under the stage's name."""
+
+    name: str  # the stage name link.json uses; the stage's members are `<name>.<member>`
+    lock: Path
+    manifest: Path
+    runtime_view: Path
+    target_spec: Path
+    params: Path
+    modules: Sequence[ModuleInput]
+    manifest_source: Optional[str] = None
+
+
+def _prefixed_index(index: dict, prefix: str) -> dict:
+    out = dict(index)
+    for key in ("parameter_archive", "runtime_view", "target_spec"):
+        out[key] = prefix + index[key]
+    out["modules"] = [{"vmfb": prefix + m["vmfb"], "record": prefix + m["record"]} for m in index["modules"]]
+    return out
+
+
+def create_pipeline_bundle(out: Path, *, link: Path, stages: Sequence[StageInput],
+                           digest_out: Optional[Path] = None) -> str:
+    """Writes a pipeline bundle: every stage's files as create_bundle would bundle them, each member named
+    `<stage>.<member>`, plus the link (`link.json`) and the pipeline index (`pipeline.json`); returns its sha256.
+
+    Refuses stages that disagree with the link (names, order, export records): the bundle's link describes
+    the bundle's own modules."""
+    out = Path(out)
+    link_path = Path(link)
+    link_data = read_json(link_path)
+    if not isinstance(link_data, dict) or link_data.get("format") != LINK_FORMAT:
+        raise DsaError(str(link_path), "is not a link this release bundles", f"link format {LINK_FORMAT}")
+    names = [s.name for s in stages]
+    linked = [s["name"] for s in link_data["stages"]]
+    if names != linked:
+        raise DsaError(str(link_path), f"links stages {linked}, but the bundle is given {names}",
+                       "bundle the stages of this link, in its order")
+    payload: Dict[str, Path] = {LINK_JSON: link_path}
+    generated: Dict[str, bytes] = {}
+    collected: List[Tuple[StageInput, _Stage, dict]] = []
+    for stage, linked_stage in zip(stages, link_data["stages"]):
+        if not _NAME.match(stage.name):
+            raise DsaError("dsa-bundle", f"stage name '{stage.name}' is not a plain file name")
+        c = _collect(lock=stage.lock, manifest=stage.manifest, runtime_view=stage.runtime_view,
+                     target_spec=stage.target_spec, params=stage.params, modules=stage.modules)
+        records = [c.digests[f"{m['record']}"] for m in c.index["modules"]]
+        if sorted(records) != sorted(linked_stage["export_records"]):
+            raise DsaError(str(link_path), f"stage {stage.name}: the link was checked against other export "
+                           "records than the bundle's", "rebuild the pipeline and the bundle from one build")
+        prefix = stage.name + "."
+        for name, path in c.payload.items():
+            payload[prefix + name] = path
+        index = _prefixed_index(c.index, prefix)
+        generated[prefix + INDEX_JSON] = _json_bytes(index)
+        collected.append((stage, c, index))
+
+    targets = sorted({c.lock["target"] for _, c, _ in collected})
+    if len(targets) != 1:
+        raise DsaError("dsa-bundle", f"the stages are compiled for different targets {targets}",
+                       "bundle one target's modules")
+    pipeline = {
+        "format": PIPELINE_INDEX_FORMAT,
+        "link": LINK_JSON,
+        "stages": [{"name": s.name, "index": s.name + "." + INDEX_JSON} for s, _, _ in collected],
+    }
+    generated[PIPELINE_JSON] = _json_bytes(pipeline)
+    bundle_name = out.name[:-len(".tar")] if out.name.endswith(".tar") else out.name
+    generated[BUILD_REPORT_JSON] = _json_bytes({
+        "format": BUILD_REPORT_FORMAT,
+        "model_id": bundle_name,
+        "target": targets[0],
+        "stages": [dict(_build_report(c.lock, c.records, c.reports, c.sizes, c.digests), stage=s.name)
+                   for s, c, _ in collected],
+    })
+    digests: Dict[str, str] = {}
+    sizes: Dict[str, int] = {}
+    for name, path in payload.items():
+        digests[name], sizes[name] = sha256_file(path), path.stat().st_size
+    for name, data in generated.items():
+        digests[name], sizes[name] = hashlib.sha256(data).hexdigest(), len(data)
+
+    # One statement for the pipeline: every member as a subject, every stage's inputs as dependencies (the
+    # shared tool sources and toolchain once).
+    statement = None
+    deps: List[dict] = []
+    seen = set()
+    for s, c, _ in collected:
+        source = s.manifest_source or Path(s.manifest).name
+        one = _provenance(c.lock, digests, source, bundle_name)
+        if statement is None:
+            statement = one
+        for dep in one["predicate"]["buildDefinition"]["resolvedDependencies"]:
+            role = dep["annotations"]["role"]
+            if role in ("tool_source", "toolchain_lock"):
+                key = (dep["name"], dep["digest"]["sha256"])
+                if key in seen:
+                    continue
+                seen.add(key)
+            else:
+                dep = dict(dep, annotations=dict(dep["annotations"], stage=s.name))
+                if role == "checkpoint":
+                    dep["name"] = f"{s.name}.checkpoint"
+            deps.append(dep)
+    definition = statement["predicate"]["buildDefinition"]
+    definition["externalParameters"] = {
+        "model_id": bundle_name, "target": targets[0], "bundle": bundle_name,
+        "stages": [{"name": s.name, "model_id": c.lock["model_id"],
+                    "manifest": s.manifest_source or Path(s.manifest).name} for s, c, _ in collected],
+    }
+    definition["internalParameters"] = {
+        "target_flags": collected[0][1].lock["target_spec"].get("flags", []),
+        "modules": [{"name": f"{s.name}.{m['name']}", "flags": m.get("flags", [])}
+                    for s, c, _ in collected for m in c.lock.get("modules", [])],
+    }
+    definition["resolvedDependencies"] = deps
+    provenance = _json_bytes(statement)
+    generated[PROVENANCE_JSON] = provenance
+    digests[PROVENANCE_JSON], sizes[PROVENANCE_JSON] = hashlib.sha256(provenance).hexdigest(), len(provenance)
+
+    meta = {
+        "format": BUNDLE_FORMAT,
+        "kind": "pipeline",
+        "model_id": bundle_name,
+        "target": targets[0],
+        "build_report": BUILD_REPORT_JSON,
+        "provenance": PROVENANCE_JSON,
+        "link": LINK_JSON,
+        "pipeline_file": PIPELINE_JSON,
+        "pipeline": pipeline,
+        "stages": [
+            {"name": s.name, "model_id": c.lock["model_id"], "manifest": f"{s.name}.{MANIFEST_YAML}",
+             "manifest_source": s.manifest_source or Path(s.manifest).name, "lock": f"{s.name}.{LOCK_JSON}",
+             "index_file": f"{s.name}.{INDEX_JSON}", "index": index}
+            for s, c, index in collected
+        ],
+        "files": {name: {"sha256": digests[name], "size": sizes[name]} for name in sorted(digests)},
+    }
+    generated[BUNDLE_JSON] = _json_bytes(meta)
+    return _write_archive(out, payload, generated, sizes, digest_out)
+
+
+def pipeline_inputs(pipeline_index: Path, manifests: Dict[str, Tuple[Path, Optional[str]]]) -> dict:
+    """create_pipeline_bundle's arguments from a pipeline index (dsa_pipeline's NAME.pipeline.json) and each
+    stage's manifest (stage name → (path, repository-relative name))."""
+    pipeline_index = Path(pipeline_index)
+    if not pipeline_index.is_file():
+        raise DsaError(str(pipeline_index), "no such pipeline index", "build the dsa_pipeline first")
+    data = read_json(pipeline_index)
+    base = pipeline_index.parent
+    if not (base / data["link"]).is_file():
+        raise DsaError(str(base / data["link"]), "no such link file", "build the dsa_pipeline first")
+    stages = []
+    for entry in data["stages"]:
+        if entry["name"] not in manifests:
+            raise DsaError("dsa-bundle create", f"no manifest for stage '{entry['name']}'",
+                           f"pass --stage-manifest {entry['name']}=MANIFEST")
+        files = inputs_from_index(base / entry["index"])
+        path, source = manifests[entry["name"]]
+        stages.append(StageInput(entry["name"], manifest=Path(path), manifest_source=source, **files))
+    extra = sorted(set(manifests) - {e["name"] for e in data["stages"]})
+    if extra:
+        raise DsaError("dsa-bundle create", f"--stage-manifest names no stage of the pipeline: {', '.join(extra)}")
+    return dict(link=base / data["link"], stages=stages)
 
 
 def inputs_from_index(index: Path, *, lock: Optional[Path] = None, target_spec: Optional[Path] = None) -> dict:
@@ -368,15 +580,36 @@ class OpenedBundle:
     meta: dict  # bundle.json
 
     @property
+    def is_pipeline(self) -> bool:
+        return _is_pipeline(self.meta)
+
+    def _single(self, what: str) -> None:
+        if self.is_pipeline:
+            stages = ", ".join(s["name"] for s in self.meta["stages"])
+            raise DsaError(str(self.archive), f"is a pipeline bundle (stages {stages}): it has one {what} per stage",
+                           "run it with `python -m dsa.link run --bundle`; its stages' files are "
+                           "<stage>.<file> (docs/bundle-format.md)")
+
+    @property
     def index_path(self) -> Path:
+        self._single("module index")
         return self.root / self.meta["index_file"]
 
     @property
+    def pipeline_path(self) -> Path:
+        if not self.is_pipeline:
+            raise DsaError(str(self.archive), "is a single-model bundle, not a pipeline bundle",
+                           "run it with `python -m dsa.run --bundle`")
+        return self.root / self.meta["pipeline_file"]
+
+    @property
     def manifest_path(self) -> Path:
+        self._single("manifest")
         return self.root / self.meta["manifest"]
 
     @property
     def lock(self) -> dict:
+        self._single("recipe lock")
         return read_json(self.root / self.meta["lock"])
 
     @property
@@ -389,8 +622,18 @@ class OpenedBundle:
 
     def describe(self) -> str:
         checked = f"matches {self.sidecar.name}" if self.sidecar else "no .sha256 beside it"
+        if self.is_pipeline:
+            stages = " → ".join(s["model_id"] for s in self.meta["stages"])
+            return (f"bundle {self.archive.name}: format {self.meta['format']}, pipeline {stages} for "
+                    f"{self.meta['target']}, sha256 {self.sha256} ({checked}), {len(self.meta['files'])} files "
+                    "verified")
         return (f"bundle {self.archive.name}: format {self.meta['format']}, {self.meta['model_id']} for "
                 f"{self.meta['target']}, sha256 {self.sha256} ({checked}), {len(self.meta['files'])} files verified")
+
+
+def _is_pipeline(meta: dict) -> bool:
+    """A pipeline bundle (several linked models) rather than one model's."""
+    return meta.get("kind") == "pipeline"
 
 
 def check_archive_digest(archive: Path) -> Tuple[str, Optional[Path]]:
@@ -516,7 +759,7 @@ def extract_bundle(archive: Path, dest: Path) -> OpenedBundle:
     listed = meta.get("files")
     if not isinstance(listed, dict) or not all(
             isinstance(e, dict) and isinstance(e.get("sha256"), str) and isinstance(e.get("size"), int)
-            for e in listed.values()) or not isinstance(meta.get("index"), dict):
+            for e in listed.values()) or not isinstance(meta.get("pipeline" if _is_pipeline(meta) else "index"), dict):
         raise DsaError(f"{archive}: {BUNDLE_JSON}", "is malformed: 'files' must map each file to its sha256 "
                        "and size, 'index' must be the module index", "this is not a bundle dsa_bundle made")
     present = set(found) - {BUNDLE_JSON}
@@ -534,17 +777,30 @@ def extract_bundle(archive: Path, dest: Path) -> OpenedBundle:
             raise DsaError(f"{archive}: {name}", f"has sha256 {sha_f} ({size} bytes), bundle.json records "
                            f"{want.get('sha256')} ({want.get('size')} bytes)",
                            "the archive is corrupted; copy the release again")
-    for key in ("manifest", "lock", "build_report", "provenance", "index_file"):
-        if not isinstance(meta.get(key), str) or meta[key] not in listed:
-            raise DsaError(f"{archive}: {BUNDLE_JSON}", f"'{key}' names no file of the bundle",
+    if _is_pipeline(meta):
+        stages = meta.get("stages")
+        if not isinstance(stages, list) or not stages or not all(isinstance(s, dict) for s in stages):
+            raise DsaError(f"{archive}: {BUNDLE_JSON}", "is malformed: a pipeline bundle lists its 'stages'",
                            "the archive is corrupted or was not made by dsa_bundle")
-    try:
-        index = read_json(dest / meta["index_file"])
-    except (ValueError, UnicodeError):
-        index = None
-    if index != meta["index"]:
-        raise DsaError(f"{archive}: {meta['index_file']}", "differs from the index in bundle.json",
-                       "the archive was not made by dsa_bundle")
+        checks = [(meta, ("build_report", "provenance", "link", "pipeline_file"))]
+        checks += [(stage, ("manifest", "lock", "index_file")) for stage in stages]
+        indexes = [(meta, "pipeline_file", "pipeline")] + [(stage, "index_file", "index") for stage in stages]
+    else:
+        checks = [(meta, ("manifest", "lock", "build_report", "provenance", "index_file"))]
+        indexes = [(meta, "index_file", "index")]
+    for table, keys in checks:
+        for key in keys:
+            if not isinstance(table.get(key), str) or table[key] not in listed:
+                raise DsaError(f"{archive}: {BUNDLE_JSON}", f"'{key}' names no file of the bundle",
+                               "the archive is corrupted or was not made by dsa_bundle")
+    for table, file_key, key in indexes:
+        try:
+            index = read_json(dest / table[file_key])
+        except (ValueError, UnicodeError):
+            index = None
+        if index != table.get(key):
+            raise DsaError(f"{archive}: {table[file_key]}", f"differs from the {key} in bundle.json",
+                           "the archive was not made by dsa_bundle")
     return OpenedBundle(archive=archive, root=dest, sha256=sha, sidecar=sidecar, meta=meta)
 
 
@@ -624,7 +880,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     c.add_argument("--index", help="take the files from this module index (dsa-compile's TARGET.modules.json); "
                    "the flags below override")
     c.add_argument("--lock", help="the recipe lock (NAME.lock.json) from dsa_vmfb or dsa-compile")
-    c.add_argument("--manifest", required=True)
+    c.add_argument("--manifest", help="the manifest (required unless --pipeline)")
     c.add_argument("--manifest-source", help="the manifest's repository-relative name, for the provenance "
                    "(default: --manifest as given)")
     c.add_argument("--runtime-view")
@@ -632,6 +888,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     c.add_argument("--params", help="the parameter archive (.irpa)")
     c.add_argument("--module", action="append", default=[], type=_module_arg,
                    help="NAME=VMFB,EXPORT_RECORD,COMPILE_REPORT (repeat per module)")
+    c.add_argument("--pipeline", help="bundle a linked pipeline: its index (dsa_pipeline's NAME.pipeline.json); "
+                   "each stage's files come from its module index, its manifest from --stage-manifest")
+    c.add_argument("--stage-manifest", action="append", default=[],
+                   help="with --pipeline: STAGE=MANIFEST[,REPOSITORY_RELATIVE_NAME] (repeat per stage)")
     c.add_argument("--out", required=True, help="the archive to write (NAME.tar)")
     c.add_argument("--digest", help="where to write `<sha256>  NAME.tar` (default NAME.sha256 beside it)")
     for command, text in (("verify", "check a bundle as `dsa run` would and summarise it"),
@@ -643,7 +903,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     r.add_argument("dest", help="directory (created if missing); relative to where `bazel run` was started")
     a = parser.parse_args(argv)
 
+    if a.command == "create" and a.pipeline:
+        manifests = {}
+        for value in a.stage_manifest:
+            stage, sep, rest = value.partition("=")
+            path, _, source = rest.partition(",")
+            if not sep or not path:
+                raise DsaError("--stage-manifest", f"'{value}' is not STAGE=MANIFEST[,NAME]")
+            manifests[stage] = (Path(path), source or _source_name(Path(path)))
+        sha = create_pipeline_bundle(Path(a.out), digest_out=Path(a.digest) if a.digest else None,
+                                     **pipeline_inputs(Path(a.pipeline), manifests))
+        return
     if a.command == "create":
+        if not a.manifest:
+            raise DsaError("dsa-bundle create", "--manifest is required without --pipeline")
         files = inputs_from_index(Path(a.index), lock=a.lock, target_spec=a.target_spec) if a.index else {}
         for key in ("lock", "runtime_view", "target_spec", "params"):
             if getattr(a, key):
@@ -673,12 +946,15 @@ def main(argv: Optional[List[str]] = None) -> None:
                 print(f"  {entry['sha256']}  {entry['size']:>12d}  {name}")
         else:
             report = b.build_report
-            for m in report["modules"]:
+            for m in [dict(m, name=f"{st['stage']}.{m['name']}") for st in report["stages"] for m in st["modules"]] \
+                    if b.is_pipeline else report["modules"]:
                 bucket = f"{m['bucket']['dim']}={m['bucket']['size']}" if m.get("bucket") else "dynamic"
                 print(f"  {m['name']}: {bucket}, {m['export']['op_count']} exported ops, "
                       f"{m['compile']['dispatch_count']} dispatches, {_format_size(m['sizes']['vmfb_bytes'])}")
-            print(f"  {PARAMS_IRPA}: {_format_size(report['parameters']['bytes'])}; archive "
-                  f"{_format_size(b.archive.stat().st_size)}")
+            params = sum(st["parameters"]["bytes"] for st in report["stages"]) if b.is_pipeline else \
+                report["parameters"]["bytes"]
+            label = f"{PARAMS_IRPA} (all stages)" if b.is_pipeline else PARAMS_IRPA
+            print(f"  {label}: {_format_size(params)}; archive {_format_size(b.archive.stat().st_size)}")
 
 
 if __name__ == "__main__":

@@ -20,10 +20,12 @@ load(
     _DsaBucketInfo = "DsaBucketInfo",
     _DsaModelInfo = "DsaModelInfo",
     _DsaModuleInfo = "DsaModuleInfo",
+    _DsaPipelineInfo = "DsaPipelineInfo",
     _DsaTargetInfo = "DsaTargetInfo",
 )
 load("//rules/private:vmfb.bzl", _dsa_vmfb = "dsa_vmfb")
 load("//rules/private:bundle.bzl", _dsa_bundle = "dsa_bundle", _dsa_release = "dsa_release")
+load("//rules/private:link.bzl", _dsa_pipeline = "dsa_pipeline")
 
 dsa_model = _dsa_model
 dsa_bucket = _dsa_bucket
@@ -32,9 +34,14 @@ dsa_target = _dsa_target
 dsa_checkpoint = _dsa_checkpoint
 dsa_lerobot_policy = _dsa_lerobot_policy
 
+# Split policies: `dsa_pipeline(name, stages = [dsa_vmfb...], edges = {"head.x": "backbone.x"})` links compiled
+# models by the tensors they exchange, checking each edge's shape and dtype (rules/private/link.bzl).
+dsa_pipeline = _dsa_pipeline
+
 DsaModelInfo = _DsaModelInfo
 DsaBucketInfo = _DsaBucketInfo
 DsaModuleInfo = _DsaModuleInfo
+DsaPipelineInfo = _DsaPipelineInfo
 DsaTargetInfo = _DsaTargetInfo
 
 def dsa_runner(name, module, args = [], **kwargs):

@@ -4,14 +4,50 @@ dsa_release: `bazel run :name -- DEST` copies a verified bundle and its .sha256 
 
 load("@rules_python//python:defs.bzl", "py_binary")
 load(":common.bzl", "ACTION_ENV", "execution_requirements", "TOOL_ATTRS", "repo_relative")
-load(":providers.bzl", "DsaModuleInfo")
+load(":providers.bzl", "DsaModuleInfo", "DsaPipelineInfo")
+
+def _pipeline_bundle(ctx, archive, digest):
+    """DsaBundle of a dsa_pipeline: every stage's files (from its module index), its manifest, the link."""
+    pipeline = ctx.attr.pipeline[DsaPipelineInfo]
+    args = ctx.actions.args()
+    args.add("create")
+    args.add("--pipeline", pipeline.index)
+    manifests = []
+    for name, stage in zip(pipeline.stage_names, pipeline.stages):
+        manifest = stage.model.manifest
+        args.add("--stage-manifest", "%s=%s,%s" % (name, manifest.path, repo_relative(manifest)))
+        manifests.append(manifest)
+    args.add("--out", archive)
+    args.add("--digest", digest)
+
+    # The pipeline's files hold every stage's module index and what it names (dsa_vmfb's outputs).
+    inputs = depset(manifests + [ctx.file._toolchain_identity], transitive = [ctx.attr.pipeline[DefaultInfo].files])
+    return args, inputs, ctx.attr.pipeline.label
 
 def _dsa_bundle_impl(ctx):
+    archive = ctx.actions.declare_file(ctx.label.name + ".tar")
+    digest = ctx.actions.declare_file(ctx.label.name + ".sha256")
+    if bool(ctx.attr.module) == bool(ctx.attr.pipeline):
+        fail("dsa_bundle %s: set exactly one of `module` (a dsa_vmfb) and `pipeline` (a dsa_pipeline)" % ctx.label)
+    if ctx.attr.pipeline:
+        args, inputs, subject = _pipeline_bundle(ctx, archive, digest)
+        ctx.actions.run(
+            executable = ctx.executable._bundle_tool,
+            arguments = [args],
+            inputs = inputs,
+            outputs = [archive, digest],
+            mnemonic = "DsaBundle",
+            progress_message = "Bundling %s for release" % subject,
+            env = ACTION_ENV,
+            execution_requirements = execution_requirements(ctx),
+        )
+        return [
+            DefaultInfo(files = depset([archive, digest]), runfiles = ctx.runfiles(files = [archive, digest])),
+            OutputGroupInfo(archive = depset([archive]), digest = depset([digest])),
+        ]
     module = ctx.attr.module[DsaModuleInfo]
     lock = module.lock
     model = module.model
-    archive = ctx.actions.declare_file(ctx.label.name + ".tar")
-    digest = ctx.actions.declare_file(ctx.label.name + ".sha256")
 
     args = ctx.actions.args()
     args.add("create")
@@ -48,9 +84,16 @@ dsa_bundle = rule(
 The archive (docs/bundle-format.md, format 1) holds the vmfbs with their export records and compile reports,
 the parameter archive, the manifest and its runtime view, the target spec, the recipe lock, a build report,
 an in-toto/SLSA provenance statement and bundle.json. Same inputs, same bytes: in any checkout, with any
-output base. `dsa-run --bundle` verifies and runs it, `dsa-diff` compares two.""",
+output base. `dsa-run --bundle` verifies and runs it, `dsa-diff` compares two.
+
+With `pipeline` (a dsa_pipeline) instead of `module`, the archive holds every stage's files under
+`<stage>.` names, the link and the pipeline index; `python -m dsa.link run --bundle` runs it.""",
     attrs = dict(TOOL_ATTRS, **{
-        "module": attr.label(mandatory = True, providers = [DsaModuleInfo], doc = "A dsa_vmfb."),
+        "module": attr.label(providers = [DsaModuleInfo], doc = "A dsa_vmfb (or set `pipeline`)."),
+        "pipeline": attr.label(
+            providers = [DsaPipelineInfo],
+            doc = "A dsa_pipeline: a pipeline bundle of all its stages and its link (docs/bundle-format.md).",
+        ),
         "_bundle_tool": attr.label(default = Label("//dsa:bundle_tool"), executable = True, cfg = "exec"),
     }),
 )

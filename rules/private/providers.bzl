@@ -51,3 +51,13 @@ DsaModuleInfo = provider(
         "lock": "File: the recipe lock (JSON): digests of every input and output of these modules.",
     },
 )
+
+DsaPipelineInfo = provider(
+    doc = "Compiled models linked into one pipeline by the tensors they exchange (dsa_pipeline).",
+    fields = {
+        "stage_names": "list of str: the stages in the order they run (each the dsa_vmfb's name).",
+        "stages": "list of DsaModuleInfo, in stage order.",
+        "link": "File: link.json, the checked edges (name, shape, dtype, producer, consumer).",
+        "index": "File: the pipeline index the runner loads (JSON): the link and each stage's module index.",
+    },
+)

@@ -1,0 +1,72 @@
+"""dsa_pipeline: compiled models (dsa_vmfb) linked into one pipeline by the tensors they exchange."""
+
+load(":common.bzl", "ACTION_ENV", "execution_requirements", "relative_path")
+load(":providers.bzl", "DsaModuleInfo", "DsaPipelineInfo")
+
+def _dsa_pipeline_impl(ctx):
+    name = ctx.label.name
+    stages = [s[DsaModuleInfo] for s in ctx.attr.stages]
+    stage_names = [s.label.name for s in ctx.attr.stages]
+    link = ctx.actions.declare_file(name + ".link.json")
+
+    args = ctx.actions.args()
+    args.add("link")
+    for stage_name, stage in zip(stage_names, stages):
+        args.add("--stage", "%s=%s" % (stage_name, stage.index.path))
+    args.add_all(["%s=%s" % (c, p) for c, p in ctx.attr.edges.items()], before_each = "--edge")
+    args.add("--out", link)
+    ctx.actions.run(
+        executable = ctx.executable._link_tool,
+        arguments = [args],
+        inputs = depset(
+            [ctx.file._toolchain_identity] + [s.index for s in stages],
+            transitive = [depset(s.records) for s in stages],
+        ),
+        outputs = [link],
+        mnemonic = "DsaLink",
+        progress_message = "Linking %s: checking the edges between %s" % (ctx.label, ", ".join(stage_names)),
+        env = ACTION_ENV,
+        execution_requirements = execution_requirements(ctx),
+    )
+
+    # Analysis-time data (file names only), like dsa_vmfb's module index.
+    index = ctx.actions.declare_file(name + ".pipeline.json")
+    base = index.short_path.rpartition("/")[0]
+    ctx.actions.write(index, json.encode_indent(struct(
+        format = 1,
+        link = relative_path(link.short_path, base),
+        stages = [
+            struct(name = n, index = relative_path(s.index.short_path, base))
+            for n, s in zip(stage_names, stages)
+        ],
+    )) + "\n")
+
+    # Each stage's files (modules, records, reports, index, lock, parameters, runtime view, target spec).
+    stage_files = [s[DefaultInfo].files for s in ctx.attr.stages]
+    runfiles = ctx.runfiles(files = [link, index])
+    for s in ctx.attr.stages:
+        runfiles = runfiles.merge(s[DefaultInfo].default_runfiles)
+    return [
+        DefaultInfo(files = depset([link, index], transitive = stage_files), runfiles = runfiles),
+        DsaPipelineInfo(stage_names = stage_names, stages = stages, link = link, index = index),
+        OutputGroupInfo(index = depset([index])),
+    ]
+
+dsa_pipeline = rule(
+    implementation = _dsa_pipeline_impl,
+    doc = """Links compiled models into a pipeline: `stages` run in order, `edges` feed outputs of earlier
+stages to inputs of later ones.
+
+`edges` maps each fed input to the output that feeds it: `{"<consumer stage>.<input>": "<producer stage>.<output>"}`,
+a stage named by its dsa_vmfb's name. The DsaLink action (dsa/link.py) reads every stage's export records and
+fails the build, naming the edge and both records' shape and dtype, when an edge's two ends differ; it writes
+`<name>.link.json` (each edge's name, shape, dtype, producer, consumer). `<name>.pipeline.json` is the index
+`dsa.link.CompiledPipeline` loads; `dsa_bundle(pipeline = ...)` packs the whole pipeline.""",
+    attrs = {
+        "stages": attr.label_list(mandatory = True, providers = [DsaModuleInfo], doc = "dsa_vmfb targets, in run order."),
+        "edges": attr.string_dict(mandatory = True, doc = "CONSUMER_STAGE.INPUT → PRODUCER_STAGE.OUTPUT."),
+        "_link_tool": attr.label(default = Label("//dsa:link_tool"), executable = True, cfg = "exec"),
+        "_toolchain_identity": attr.label(default = Label("@dsa_python//:identity.json"), allow_single_file = True),
+    },
+    provides = [DsaPipelineInfo],
+)
