@@ -1,0 +1,235 @@
+"""tools/import_matrix.py without Bazel: the table is a pure function of the collected data (row order, units,
+✗ and "not run" cells), the README's marked section is replaced without touching the rest, test.xml is read
+as passed / failed / not run, and a child's peak RSS comes from its wait4 rusage."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsa.errors import DsaError
+
+# Loaded by path: tools/ is no package (and another repository's `tools` may come first on sys.path). From the
+# runfiles tree under Bazel (not resolved: this file is a symlink into the source tree there).
+_PATH = Path(__file__).absolute().parent.parent.parent / "tools" / "import_matrix.py"
+_SPEC = importlib.util.spec_from_file_location("import_matrix", _PATH)
+im = importlib.util.module_from_spec(_SPEC)
+sys.modules["import_matrix"] = im
+_SPEC.loader.exec_module(im)
+
+
+def _row(model, module=None, *, pipeline=None, export=True, compile=True, parity="passed", modules=1,
+         measured=None, notes=(), vmfb=564_000, irpa=9_490_432, mlir=187_355, params=2_363_086):
+    status = {"passed": {"status": "passed", "tests": 4, "failures": 0},
+              "failed": {"status": "failed", "tests": 4, "failures": 1},
+              "not run": {"status": "not run", "tests": 0, "failures": 0}}[parity]
+    return {"model": model, "module": module or model, "pipeline": pipeline, "export": export, "compile": compile,
+            "parity": status, "modules": modules, "vmfb_bytes": vmfb if compile else None,
+            "irpa_bytes": irpa if compile else None, "mlir_bytes": mlir if export else None,
+            "parameter_count": params if export else None, "target": "x86_64-v3", "measured": measured,
+            "notes": list(notes)}
+
+
+MEASURED = {"module": "prompt_len_0", "compile_s": 16.26, "peak_rss_kib": 210_000, "identical": True,
+            "latency_ms": 23.334, "inputs": "prompt_len=32, steps=10", "vmfb_sha256": "a", "built_sha256": "a"}
+
+DATA = {
+    "format": 1, "date": "2026-11-30", "command": "./bazelw run //tools:import_matrix", "measure": True,
+    "runs": 10, "target": "x86_64-v3",
+    "machine": {"cpu": "Test CPU", "cores": 2, "threads": 2, "system": "Linux", "loadavg": "0.00 0.00 0.00"},
+    "toolchain": {"iree-base-compiler": "3.13.0", "iree-base-runtime": "3.13.0"},
+    "rows": [
+        _row("pi0", modules=3, measured=MEASURED),
+        _row("act", parity="failed", measured=dict(MEASURED, module="model", compile_s=5.0, latency_ms=1234.5,
+                                                   inputs="batch=1")),
+        _row("openvla", export=False, compile=False, parity="not run", notes=["openvla.modules.json not found"]),
+        _row("groot", "groot_backbone", pipeline="groot", measured=None),
+        _row("groot", "groot_head", pipeline="groot", measured=dict(MEASURED, identical=False, vmfb_sha256="b")),
+    ],
+}
+
+
+def _table_rows(table):
+    return [line for line in table.splitlines() if line.startswith("| `")]
+
+
+def test_table_keeps_row_order_and_formats_units():
+    table = im.render_table(DATA)
+    rows = _table_rows(table)
+    assert [r.split("|")[1].strip() for r in rows] == [
+        "`pi0`", "`act`", "`openvla`", "`groot › backbone`", "`groot › head`"]
+    pi0 = [c.strip() for c in rows[0].split("|")[1:-1]]
+    assert pi0 == ["`pi0`", "✓", "✓ (3 modules)", "✓ 4 passed", "564.0 kB", "9.49 MB", "187.4 kB", "2.36 M",
+                   "16.3 s", "205 MiB", "23.33 ms", "prompt_len_0 (prompt_len=32, steps=10)"]
+    assert "1234 ms" in rows[1] or "1235 ms" in rows[1]
+    assert table.splitlines()[0].startswith("| model | export | compile | parity | vmfb | irpa | MLIR |")
+
+
+def test_missing_cells_are_crosses_and_not_run():
+    rows = _table_rows(im.render_table(DATA))
+    act = [c.strip() for c in rows[1].split("|")[1:-1]]
+    assert act[3] == "✗ 1 of 4 failed"
+    openvla = [c.strip() for c in rows[2].split("|")[1:-1]]
+    assert openvla[1:4] == ["✗", "✗", "not run"]
+    assert openvla[4:] == [im.MISSING] * 8
+    backbone = [c.strip() for c in rows[3].split("|")[1:-1]]  # compiled, not measured
+    assert backbone[8:11] == [im.NOT_MEASURED] * 3
+
+
+def test_byte_mismatch_is_loud():
+    table = im.render_table(DATA)
+    head = _table_rows(table)[4]
+    assert "✗ re-run differs" in head
+    assert "not byte-identical" in table and "`groot_head`" in table
+    assert "openvla.modules.json not found" in table
+
+
+def test_rendering_is_a_pure_function_of_the_data():
+    assert im.render_table(DATA) == im.render_table(DATA)
+    assert im.render_document(DATA) == im.render_document(DATA)
+    doc = im.render_document(DATA)
+    assert doc.startswith("# Import matrix")
+    assert im.render_table(DATA) in doc
+    assert "Test CPU" in doc and "2026-11-30" in doc and "./bazelw run //tools:import_matrix" in doc
+    unmeasured = dict(DATA, measure=False)
+    assert "--no-measure" in im.render_table(unmeasured)
+
+
+def test_fmt_bytes_units():
+    assert im.fmt_bytes(None) == im.MISSING
+    assert im.fmt_bytes(999) == "999 B"
+    assert im.fmt_bytes(167_247) == "167.2 kB"
+    assert im.fmt_bytes(9_490_432) == "9.49 MB"
+    assert im.fmt_bytes(137_039_872) == "137.0 MB"
+    assert im.fmt_bytes(1_050_900_000) == "1.05 GB"
+
+
+README = """# rules_dsa
+
+Intro.
+
+## Performance
+
+Perf text.
+
+{section}## Using the rules in your workspace
+
+Usage text.
+"""
+
+
+def test_markers_replaced_without_touching_other_text():
+    old = f"## Import matrix\n\nHand-written words.\n\n{im.BEGIN_MARKER}\n| old | table |\n{im.END_MARKER}\n\n"
+    text = README.format(section=old)
+    out = im.replace_marked(text, "| new | table |\n")
+    assert out == text.replace("| old | table |", "| new | table |")
+    assert im.replace_marked(out, "| new | table |\n") == out  # idempotent
+
+
+def test_markers_added_before_usage_section_when_absent():
+    text = README.format(section="")
+    out = im.replace_marked(text, "| t |\n")
+    assert out.startswith(text[:text.index("## Using")])
+    assert out.endswith(text[text.index("## Using"):])
+    section = out[out.index("## Import matrix"):out.index("## Using")]
+    assert f"{im.BEGIN_MARKER}\n| t |\n{im.END_MARKER}" in section
+    assert im.replace_marked(out, "| t |\n") == out
+
+
+def test_single_marker_is_refused():
+    with pytest.raises(DsaError, match="only one of the import-matrix markers"):
+        im.replace_marked(f"x\n{im.BEGIN_MARKER}\ny\n", "| t |")
+
+
+PASSED_XML = ('<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite name="pytest" '
+              'errors="0" failures="0" skipped="1" tests="3"><testcase classname="a" name="x" time="1" />'
+              '<testcase classname="a" name="y" time="1" /><testcase classname="a" name="z"><skipped /></testcase>'
+              '</testsuite></testsuites>')
+FAILED_XML = ('<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" '
+              'failures="1" tests="2"><testcase classname="a" name="x" /><testcase classname="a" name="y">'
+              '<failure message="assert 1 == 2">trace</failure></testcase></testsuite></testsuites>')
+# What Bazel writes itself for a test that wrote no XML (a crash or a timeout).
+BAZEL_XML = ('<?xml version="1.0" encoding="UTF-8"?><testsuites><testsuite name="models/act/act_test" tests="1" '
+             'failures="0" errors="1"><testcase name="models/act/act_test" status="run" duration="3600">'
+             '<error message="exited with error code 142"></error></testcase></testsuite></testsuites>')
+
+
+@pytest.mark.parametrize("xml, status, tests, failures", [
+    (PASSED_XML, "passed", 3, 0), (FAILED_XML, "failed", 2, 1), (BAZEL_XML, "failed", 1, 1)])
+def test_test_xml_parsing(tmp_path, xml, status, tests, failures):
+    directory = im.test_xml_dir(tmp_path, "//models/act:act_test")
+    assert directory == tmp_path / "models" / "act" / "act_test"
+    directory.mkdir(parents=True)
+    (directory / "test.xml").write_text(xml)
+    result = im.parse_test_result(directory)
+    assert (result["status"], result["tests"], result["failures"]) == (status, tests, failures)
+    assert im.fmt_parity(result) in ("✓ 3 passed", "✗ 1 of 2 failed", "✗ 1 of 1 failed")
+
+
+def test_absent_test_xml_is_not_run(tmp_path):
+    result = im.parse_test_result(tmp_path / "models" / "x" / "x_test")
+    assert result["status"] == im.NOT_RUN
+    assert im.fmt_parity(result) == "not run"
+
+
+def test_sharded_results_are_summed(tmp_path):
+    directory = tmp_path / "t"
+    for shard, xml in (("shard_1_of_2", PASSED_XML), ("shard_2_of_2", FAILED_XML)):
+        (directory / shard).mkdir(parents=True)
+        (directory / shard / "test.xml").write_text(xml)
+    result = im.parse_test_result(directory)
+    assert (result["status"], result["tests"], result["failures"]) == ("failed", 5, 1)
+
+
+def test_peak_rss_of_a_child_from_wait4():
+    ballast = bytearray(128 * 1024 * 1024)  # this process is large; the measured child must not inherit it
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    # A child that touches ~64 MiB: its ru_maxrss (KiB) is at least that, and far below a GiB.
+    code = "b = bytearray(64 * 1024 * 1024); b[::4096] = b'x' * len(b[::4096])"
+    big = im.run_measured([sys.executable, "-c", code])
+    small = im.run_measured([sys.executable, "-c", "pass"])
+    assert big["returncode"] == 0 and small["returncode"] == 0
+    assert big["peak_rss_kib"] >= 64 * 1024
+    assert big["peak_rss_kib"] > small["peak_rss_kib"] + 32 * 1024
+    assert big["peak_rss_kib"] < 1024 * 1024
+    # Not this (larger) process's resident set: a child forked from it would start with that as its peak.
+    assert small["peak_rss_kib"] < 48 * 1024
+    assert big["wall_s"] > 0
+
+
+def test_failing_child_reports_status_and_stderr():
+    result = im.run_measured([sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"])
+    assert result["returncode"] == 3
+    assert "boom" in result["stderr"]
+
+
+def test_sample_values_use_smallest_dynamic_size_and_flow_steps():
+    record = {"dynamic_dims": {"batch": {"min": 1, "max": 65536}}, "inputs": [
+        {"name": "image", "dtype": "float32", "shape": ["batch", 3, 8, 8], "dims": {"0": "batch"}},
+        {"name": "steps", "dtype": "int64", "shape": [], "value_range": [1, 100]}]}
+    values, described = im.sample_values(record, 10)
+    assert values["image"].shape == (1, 3, 8, 8)
+    assert int(values["steps"]) == 10
+    assert described == "batch=1, steps=10"
+    again, _ = im.sample_values(record, 10)
+    assert (again["image"] == values["image"]).all()  # deterministic
+    clamped, _ = im.sample_values(record, 1000)
+    assert int(clamped["steps"]) == 100
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(DsaError, match="no model nope"):
+        im.select_models("act,nope")
+    assert [m.name for m in im.select_models("pi0,act")] == ["pi0", "act"]
+
+
+def test_every_manifest_is_a_row_or_a_stage_of_the_matrix():
+    """A model added to models/ without a matrix row would silently be missing from the README's table."""
+    import yaml
+
+    manifests = _PATH.parent.parent / "manifests"
+    model_ids = {yaml.safe_load(p.read_text())["model_id"] for p in manifests.glob("*.yaml")}
+    assert model_ids, manifests
+    rows = {m.name for m in im.MODELS} | {stage for m in im.MODELS for stage in (m.stages or ())}
+    assert model_ids <= rows, sorted(model_ids - rows)
