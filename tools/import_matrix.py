@@ -82,6 +82,8 @@ MODELS: Tuple[ModelSpec, ...] = (
     ModelSpec("diffusion", "//models/diffusion:diffusion_test"),
     ModelSpec("diffusion_unrolled", "//models/diffusion:diffusion_test"),
     ModelSpec("smolvla", "//models/smolvla:smolvla_test"),
+    ModelSpec("pi0_lerobot", "//models/pi0_lerobot:pi0_lerobot_test"),
+    ModelSpec("pi05", "//models/pi05:pi05_test"),
     ModelSpec("openvla", "//models/openvla:openvla_test"),
     ModelSpec("openvla_fp32", "//models/openvla:openvla_test"),
     ModelSpec("groot", "//models/groot:groot_test", stages=("groot_backbone", "groot_head")),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsa import lerobot
+from dsa import lerobot, lerobot_pi
 from dsa.errors import DsaError, run_cli
 
 SMALL_ACT = {
@@ -51,6 +51,21 @@ SMALL_SMOLVLA = {
     },
     "output_features": {"action": {"type": "ACTION", "shape": [5]}},
 }
+PI_VLM = {"width": 32, "depth": 2, "mlp_dim": 64, "num_heads": 8, "num_kv_heads": 1, "head_dim": 8,
+          "vision": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}}
+PI_EXPERT = {"width": 16, "depth": 2, "mlp_dim": 32, "num_heads": 8, "num_kv_heads": 1, "head_dim": 8}
+SMALL_PI = {
+    "chunk_size": 4, "n_action_steps": 4, "num_inference_steps": 10, "max_state_dim": 8, "max_action_dim": 8,
+    "image_resolution": [28, 28], "tokenizer_max_length": 6,
+    "paligemma_variant": lerobot_pi.gemma_name(PI_VLM), "action_expert_variant": lerobot_pi.gemma_name(PI_EXPERT),
+    "input_features": {
+        "observation.images.top": {"type": "VISUAL", "shape": [3, 24, 40]},
+        "observation.images.wrist": {"type": "VISUAL", "shape": [3, 28, 28]},
+        "observation.state": {"type": "STATE", "shape": [5]},
+    },
+    "output_features": {"action": {"type": "ACTION", "shape": [5]}},
+}
+PALIGEMMA_VOCAB = 257152
 TOLERANCE = 1e-5
 
 
@@ -79,6 +94,20 @@ def smolvla_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def pi0_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pi0") / "policy"
+    lerobot.init_policy("pi0", SMALL_PI, 0, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pi05_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pi05") / "policy"
+    lerobot.init_policy("pi05", SMALL_PI, 0, out)
+    return out
+
+
 def _config(policy_dir):
     return json.loads((policy_dir / "config.json").read_text())
 
@@ -99,6 +128,8 @@ def _view(config, loop="kept"):
     }
     if config["type"] == "smolvla":
         view["inputs"]["prompt"] = {"vocab_size": SMOLVLM_SIZES["text_config"]["vocab_size"], "pad_id": 0}
+    if config["type"] in lerobot.PI_TYPES:
+        view["inputs"]["prompt"] = {"vocab_size": PALIGEMMA_VOCAB, "pad_id": 0}
     return view
 
 
@@ -200,7 +231,7 @@ def test_init_refuses_a_bad_config_naming_the_field(tmp_path, overrides, field):
 
 def test_init_refuses_an_unsupported_type_naming_the_supported_ones(tmp_path):
     with pytest.raises(DsaError) as e:
-        lerobot.init_policy("pi0", {}, 0, tmp_path / "out")
+        lerobot.init_policy("tdmpc", {}, 0, tmp_path / "out")
     assert e.value.where == "--type" and "act, diffusion" in str(e.value)
 
 
@@ -215,12 +246,14 @@ def test_init_refuses_a_directory_holding_other_files(tmp_path):
 
 
 @pytest.mark.parametrize("which,loop", [("act", "kept"), ("diffusion", "kept"), ("diffusion", "unrolled"),
-                                        ("smolvla", "kept"), ("smolvla", "unrolled")])
+                                        ("smolvla", "kept"), ("smolvla", "unrolled"), ("pi0", "kept"),
+                                        ("pi0", "unrolled"), ("pi05", "kept"), ("pi05", "unrolled")])
 def test_adapter_state_dict_keys_are_exactly_the_checkpoint_tensor_names(act_dir, diffusion_dir, smolvla_dir,
-                                                                         which, loop):
+                                                                         pi0_dir, pi05_dir, which, loop):
     from safetensors import safe_open
 
-    policy_dir = {"act": act_dir, "diffusion": diffusion_dir, "smolvla": smolvla_dir}[which]
+    policy_dir = {"act": act_dir, "diffusion": diffusion_dir, "smolvla": smolvla_dir, "pi0": pi0_dir,
+                  "pi05": pi05_dir}[which]
     spec = _spec(policy_dir, loop)
     with safe_open(str(policy_dir / "model.safetensors"), "pt") as f:
         names = set(f.keys())
@@ -350,7 +383,7 @@ def test_ddpm_is_refused_naming_noise_scheduler_type(diffusion_dir, loop):
     assert "set noise_scheduler_type to DDIM" in str(e.value)
 
 
-@pytest.mark.parametrize("policy_type", ["pi0", "pi05", "tdmpc"])
+@pytest.mark.parametrize("policy_type", ["tdmpc", "sac", "pi0fast"])
 def test_unsupported_policy_type_is_refused_naming_config_type(policy_type):
     view = {"model": {"pretrained_config": {"type": policy_type}}}
     with pytest.raises(DsaError) as e:
@@ -476,3 +509,180 @@ def test_smolvla_manifest_prompt_vocab_that_disagrees_is_refused(smolvla_dir):
     with pytest.raises(DsaError) as e:
         lerobot.export_spec(view, {"batch": 1})
     assert e.value.where == "manifest: inputs.prompt.vocab_size"
+
+
+# --- PI0 / PI0.5 -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy_type", ["pi0", "pi05"])
+def test_pi_init_is_byte_identical_anywhere_and_names_the_sizes_not_a_path(tmp_path, policy_type):
+    first, second = tmp_path / "a", tmp_path / "elsewhere" / "deeper" / "b"
+    lerobot.init_policy(policy_type, SMALL_PI, 0, first)
+    lerobot.init_policy(policy_type, SMALL_PI, 0, second)
+    for directory in (first, second):
+        assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
+    for name in lerobot.SAVED_FILES:
+        assert _sha256(first / name) == _sha256(second / name), name
+    saved = _config(first)
+    assert saved["type"] == policy_type and saved["device"] == "cpu"
+    assert saved["paligemma_variant"] == lerobot_pi.gemma_name(PI_VLM)
+    assert saved["action_expert_variant"] == lerobot_pi.gemma_name(PI_EXPERT)
+
+
+def test_pi_sizes_keep_the_architecture_and_pi05_expert_norms_are_adaptive(pi0_dir, pi05_dir):
+    for policy_dir, adaptive in ((pi0_dir, False), (pi05_dir, True)):
+        model = _spec(policy_dir).module.policy.model.paligemma_with_expert
+        vlm, expert = model.paligemma.config.text_config, model.gemma_expert.config
+        assert (vlm.hidden_size, vlm.num_hidden_layers, vlm.num_attention_heads,
+                vlm.num_key_value_heads) == (32, 2, 8, 1)
+        assert (expert.hidden_size, expert.intermediate_size, expert.head_dim) == (16, 32, 8)
+        vision = model.paligemma.config.vision_config
+        assert (vision.hidden_size, vision.num_hidden_layers, vision.projection_dim) == (16, 1, 32)
+        norm = model.gemma_expert.model.layers[0].input_layernorm
+        assert sorted(n for n, _ in norm.named_parameters()) == (["dense.bias", "dense.weight"] if adaptive
+                                                                  else ["weight"])
+
+
+def test_pi_export_inputs(pi0_dir, pi05_dir):
+    cameras = [("observation.images.top", (3, 3, 24, 40), "float32"),
+               ("observation.images.wrist", (3, 3, 28, 28), "float32")]
+    prompt = [("observation.language.tokens", (3, 6), "int64"),
+              ("observation.language.attention_mask", (3, 6), "int64"),
+              ("noise", (3, 4, 8), "float32"), ("steps", (), "int64")]
+    pi0 = _spec(pi0_dir, "kept", batch=3)
+    state = [("observation.state", (3, 5), "float32")]
+    assert [(s.name, s.shape, s.dtype) for s in pi0.inputs] == cameras + state + prompt
+    pi05 = _spec(pi05_dir, "kept", batch=3)  # PI0.5's state is in its prompt: no state input
+    assert [(s.name, s.shape, s.dtype) for s in pi05.inputs] == cameras + prompt
+    assert pi05.inputs[2].sample_range == (0, PALIGEMMA_VOCAB - 1)
+    assert [s.name for s in _spec(pi05_dir, "unrolled").inputs][-1] == "noise"
+
+
+def _pi_dir(request, policy_type):
+    return request.getfixturevalue("pi0_dir" if policy_type == "pi0" else "pi05_dir")
+
+
+@pytest.mark.parametrize("policy_type,steps", [("pi0", 1), ("pi0", 4), ("pi05", 1), ("pi05", 10)])
+def test_pi_kept_loop_matches_lerobot_predict_action_chunk_for_runtime_steps(request, policy_type, steps):
+    policy_dir = _pi_dir(request, policy_type)
+    spec = _spec(policy_dir, "kept")
+    _load_checkpoint(spec.module, policy_dir)
+    inputs = _smolvla_inputs(spec, seed=steps)
+    got = _adapter_actions(spec, inputs, steps)
+    want = lerobot.reference_actions(policy_dir, inputs, steps)
+    assert got.shape == want.shape == (2, 4, 5)
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("policy_type", ["pi0", "pi05"])
+def test_pi_unrolled_matches_lerobot_predict_action_chunk_for_the_config_steps(request, policy_type):
+    policy_dir = _pi_dir(request, policy_type)
+    spec = _spec(policy_dir, "unrolled")
+    _load_checkpoint(spec.module, policy_dir)
+    inputs = _smolvla_inputs(spec)
+    got = _adapter_actions(spec, inputs)
+    want = lerobot.reference_actions(policy_dir, inputs, None)  # num_inference_steps = 10
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE)
+    assert float(np.abs(lerobot.reference_actions(policy_dir, inputs, 3) - want).max()) > 1e-3
+
+
+def test_pi_prefix_cache_is_read_only_so_denoise_steps_repeat(pi0_dir):
+    policy = lerobot.load_pretrained(pi0_dir)
+    inputs = _smolvla_inputs(_spec(pi0_dir, "kept"))
+    batch = lerobot._pi_batch(policy.config, [torch.from_numpy(inputs[k]) for k in (
+        "observation.images.top", "observation.images.wrist", "observation.state")],
+        torch.from_numpy(inputs["observation.language.tokens"]),
+        torch.from_numpy(inputs["observation.language.attention_mask"]))
+    model = policy.model
+    images, img_masks = policy._preprocess_images(batch)
+    with torch.no_grad():
+        embs, pad, att = model.embed_prefix(images, img_masks, batch["observation.language.tokens"],
+                                            batch["observation.language.attention_mask"])
+        from lerobot.policies.pi0.modeling_pi0 import make_att_2d_masks
+
+        _, cache = model.paligemma_with_expert.forward(
+            attention_mask=model._prepare_attention_masks_4d(make_att_2d_masks(pad, att)),
+            position_ids=torch.cumsum(pad, dim=1) - 1, past_key_values=None, inputs_embeds=[embs, None],
+            use_cache=True)
+        length = cache.get_seq_length()
+        args = dict(state=policy.prepare_state(batch), prefix_pad_masks=pad, past_key_values=cache,
+                    x_t=torch.from_numpy(inputs["noise"]), timestep=torch.full((2,), 0.7))
+        first, second = model.denoise_step(**args), model.denoise_step(**args)
+    assert cache.get_seq_length() == length == pad.shape[1]
+    assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("field,name", [
+    ("paligemma_variant", "dsa-gemma:{"),
+    ("paligemma_variant", lerobot_pi.gemma_name(PI_EXPERT)),  # the PaliGemma variant needs its vision sizes
+    ("action_expert_variant", lerobot_pi.gemma_name(dict(PI_EXPERT, width=0))),
+    ("action_expert_variant", "gemma_300m"),  # one hermetic name and one of LeRobot's
+])
+def test_pi_bad_variant_names_are_refused_naming_the_field(tmp_path, field, name):
+    with pytest.raises(DsaError) as e:
+        lerobot.init_policy("pi0", dict(SMALL_PI, **{field: name}), 0, tmp_path / "out")
+    assert e.value.where.startswith(f"config.{field}")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_pi_lerobot_names_still_go_to_lerobots_lookup():
+    _, policy_cls = lerobot._classes("pi0", "type")
+    modeling = __import__(policy_cls.__module__, fromlist=["get_gemma_config"])
+    config = modeling.get_gemma_config("gemma_300m")
+    assert (config.width, config.depth, config.head_dim) == (1024, 18, 256)
+    with pytest.raises(ValueError, match="Unknown variant"):
+        modeling.get_gemma_config("gemma_7b")
+
+
+def test_pi_manifest_prompt_vocab_and_bfloat16_are_refused(pi05_dir):
+    view = _view(_config(pi05_dir))
+    view["inputs"]["prompt"]["vocab_size"] = 1024
+    with pytest.raises(DsaError) as e:
+        lerobot.export_spec(view, {"batch": 1})
+    assert e.value.where == "manifest: inputs.prompt.vocab_size"
+    with pytest.raises(DsaError) as e:
+        _spec(pi05_dir, dtype="bfloat16")
+    assert e.value.where == "config.json: dtype"
+
+
+def test_pi05_manifest_state_dim_is_checked_against_config_json(pi05_dir):
+    view = _view(_config(pi05_dir))
+    view["inputs"]["state"]["dim"] = 7
+    with pytest.raises(DsaError) as e:
+        lerobot.export_spec(view, {"batch": 1})
+    assert e.value.where == "manifest: inputs.state.dim"
+
+
+def test_pi_patch_refuses_other_transformers_versions(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "4.53.2")
+    with pytest.raises(DsaError, match="transformers 4.57.6 and lerobot 0.4.4; found transformers 4.53.2"):
+        lerobot_pi._check_versions()
+
+
+def test_smolvla_outputs_are_the_same_before_and_after_the_pi_patch(smolvla_dir):
+    """A fresh interpreter: SmolVLA's eager actions, then the PI patch, then SmolVLA built again."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, numpy as np\n"
+        "from dsa import lerobot, lerobot_pi\n"
+        "d = sys.argv[1]; rng = np.random.default_rng(0)\n"
+        "x = {'observation.images.top': rng.random((1, 3, 24, 40), dtype=np.float32),\n"
+        "     'observation.images.wrist': rng.random((1, 3, 32, 32), dtype=np.float32),\n"
+        "     'observation.state': rng.standard_normal((1, 5), dtype=np.float32),\n"
+        "     'observation.language.tokens': rng.integers(0, 64, (1, 6)),\n"
+        "     'observation.language.attention_mask': np.ones((1, 6), dtype=np.int64),\n"
+        "     'noise': rng.standard_normal((1, 4, 8), dtype=np.float32)}\n"
+        "before = lerobot.reference_actions(d, x, 3)\n"
+        "assert not lerobot_pi._applied\n"
+        "lerobot_pi.apply()\n"
+        "after = lerobot.reference_actions(d, x, 3)\n"
+        "print('max|diff|', float(np.abs(before - after).max()))\n"
+        "assert np.array_equal(before, after)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, "-c", script, str(smolvla_dir)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
