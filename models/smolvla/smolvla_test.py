@@ -3,26 +3,20 @@ eager LeRobot (`SmolVLAPolicy.from_pretrained` on the same policy directory, `pr
 same initial noise and `num_steps` set to the runtime step count), at several batch sizes and step counts,
 with padded (masked) prompt tokens.
 
-Tolerance: |vmfb - eager| <= 1e-4 * max(1, max|eager|). Both sides run fp32, but IREE reorders the
-reductions of the vision encoder, the VLM and the action expert, demotes SmolVLA's float64 sinusoidal
-time embedding to float32, and the exported image resize is `dsa.lerobot.bilinear_resize` (<= 3e-6 from
-ATen's kernel); measured <= 3e-5 absolute on actions of magnitude ~3. A wrong step count, a wrong time or
-a wrong weight moves actions by O(0.1-1).
+The tolerance and the checks shared with the other kept-loop VLA tests: models/vla_loop_checks.py.
 """
 
 import json
 import re
 
-import numpy as np
 import pytest
 
-from dsa.lerobot import SMOLVLM_SCHEME, reference_actions
-from dsa.runtime import CompiledPolicy, sample_inputs
+from dsa.lerobot import SMOLVLM_SCHEME
+from dsa.runtime import CompiledPolicy
 from dsa.testing import runfile
+from models.vla_loop_checks import MASK, check_kept_loop_matches_eager, check_step_count_is_a_runtime_input
 
 POLICY_DIR = runfile("models/smolvla_policy/config.json").parent
-REL_TOL = 1e-4
-MASK = "observation.language.attention_mask"
 
 
 @pytest.fixture(scope="module")
@@ -30,36 +24,13 @@ def kept():
     return CompiledPolicy(runfile("models/smolvla.modules.json"))
 
 
-def observation(record, batch, seed, steps=None, prompt=16):
-    inputs = sample_inputs(record, {"batch": batch}, np.random.default_rng(seed))
-    inputs[MASK][:, prompt:] = 0  # a prompt shorter than tokenizer_max_length: the rest is padding
-    if steps is not None:
-        inputs["steps"] = np.array(steps, dtype=np.int64)
-    return inputs
-
-
-def assert_close(actions, expected):
-    assert actions.shape == expected.shape
-    err = float(np.abs(actions - expected).max())
-    assert err <= REL_TOL * max(1.0, float(np.abs(expected).max())), err
-
-
 @pytest.mark.parametrize("batch,steps,prompt", [(1, 1, 16), (2, 3, 9), (2, 10, 12)])
 def test_kept_loop_matches_eager_lerobot_at_each_runtime_step_count(kept, batch, steps, prompt):
-    inputs = observation(kept.modules[0].record, batch, seed=steps, steps=steps, prompt=prompt)
-    (actions,), _ = kept.run(inputs)
-    assert actions.shape == (batch, 10, 6)
-    assert_close(actions, reference_actions(POLICY_DIR, inputs, steps))
+    check_kept_loop_matches_eager(kept, POLICY_DIR, batch, steps, prompt, chunk=(10, 6))
 
 
 def test_step_count_is_a_runtime_input_of_one_module(kept):
-    record = kept.modules[0].record
-    assert len(kept.modules) == 1
-    steps = next(s for s in record["inputs"] if s["name"] == "steps")
-    assert steps["shape"] == [] and steps["value_range"][0] == 1
-    base = observation(record, 1, seed=7)
-    outputs = [kept.run(dict(base, steps=np.array(n, dtype=np.int64)))[0][0] for n in (2, 5)]
-    assert float(np.abs(outputs[0] - outputs[1]).max()) > 1e-3
+    check_step_count_is_a_runtime_input(kept)
 
 
 def test_inputs_are_cameras_state_prompt_and_noise():

@@ -1,0 +1,53 @@
+"""Checks shared by the tests of LeRobot's VLA policies whose flow-matching loop is kept a loop (SmolVLA, PI0,
+PI0.5): the compiled module against eager LeRobot at runtime step counts with padded prompts, and the step
+count being a runtime input of one module.
+
+Tolerance: |vmfb - eager| <= 1e-4 * max(1, max|eager|). Both sides run fp32, but IREE reorders the
+reductions of the vision encoder, the VLM and the action expert, demotes the float64 sinusoidal time
+embedding to float32, and the exported image resize is `dsa.lerobot.bilinear_resize` (<= 3e-6 from ATen's
+kernel); measured <= 3e-5 absolute on actions of magnitude ~3. A wrong step count, a wrong time or a wrong
+weight moves actions by O(0.1-1).
+"""
+
+import numpy as np
+
+from dsa.lerobot import reference_actions
+from dsa.runtime import sample_inputs
+
+REL_TOL = 1e-4
+MASK = "observation.language.attention_mask"
+
+
+def observation(record, batch, seed, steps=None, prompt=None):
+    """A sample observation; `prompt` real tokens, the rest of the tokenizer_max_length padding (mask 0)."""
+    inputs = sample_inputs(record, {"batch": batch}, np.random.default_rng(seed))
+    if prompt is not None:
+        inputs[MASK][:, prompt:] = 0
+    if steps is not None:
+        inputs["steps"] = np.array(steps, dtype=np.int64)
+    return inputs
+
+
+def assert_close(actions, expected):
+    assert actions.shape == expected.shape
+    err = float(np.abs(actions - expected).max())
+    assert err <= REL_TOL * max(1.0, float(np.abs(expected).max())), err
+
+
+def check_kept_loop_matches_eager(policy, policy_dir, batch, steps, prompt, chunk):
+    """The compiled module at `steps` runtime steps equals LeRobot's own inference on the same inputs."""
+    inputs = observation(policy.modules[0].record, batch, seed=steps, steps=steps, prompt=prompt)
+    (actions,), _ = policy.run(inputs)
+    assert actions.shape == (batch,) + tuple(chunk)
+    assert_close(actions, reference_actions(policy_dir, inputs, steps))
+
+
+def check_step_count_is_a_runtime_input(policy):
+    """One module; its int64 `steps` input changes the actions (the count is not baked in)."""
+    record = policy.modules[0].record
+    assert len(policy.modules) == 1
+    steps = next(s for s in record["inputs"] if s["name"] == "steps")
+    assert steps["shape"] == [] and steps["value_range"][0] == 1
+    base = observation(record, 1, seed=7)
+    outputs = [policy.run(dict(base, steps=np.array(n, dtype=np.int64)))[0][0] for n in (2, 5)]
+    assert float(np.abs(outputs[0] - outputs[1]).max()) > 1e-3
