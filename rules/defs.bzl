@@ -26,6 +26,13 @@ load(
 load("//rules/private:vmfb.bzl", _dsa_vmfb = "dsa_vmfb")
 load("//rules/private:bundle.bzl", _dsa_bundle = "dsa_bundle", _dsa_release = "dsa_release")
 load("//rules/private:link.bzl", _dsa_pipeline = "dsa_pipeline")
+load("//rules/private:policy.bzl", _dsa_policies = "dsa_policies", _dsa_policy = "dsa_policy")
+
+# One call per model: `dsa_policy(name, manifest, target, deps | lerobot_config, bucket, tuning, parity_test)`
+# makes the weights (seeded, or a LeRobot policy directory), the dsa_model, the dsa_bucket and the dsa_vmfb
+# (rules/private/policy.bzl). `dsa_policies(name)`, last in a BUILD file, indexes them for the tools.
+dsa_policy = _dsa_policy
+dsa_policies = _dsa_policies
 
 dsa_model = _dsa_model
 dsa_bucket = _dsa_bucket
@@ -47,13 +54,13 @@ DsaTargetInfo = _DsaTargetInfo
 def dsa_runner(name, module, args = [], **kwargs):
     """`bazel run :name [-- dsa-run flags]`: runs the compiled policy `module` (a dsa_vmfb) on a sample.
 
-    Prints the action chunk's shape and latency percentiles; see dsa/run.py for its flags."""
+    Prints the action chunk's shape and latency percentiles; see dsa/runtime/run.py for its flags."""
     index = name + "_index"
     native.filegroup(name = index, srcs = [module], output_group = "index", tags = ["manual"])
     py_binary(
         name = name,
-        srcs = [Label("//dsa:run.py")],
-        main = Label("//dsa:run.py"),
+        srcs = [Label("//dsa:runtime/run.py")],
+        main = Label("//dsa:runtime/run.py"),
         deps = [Label("//dsa:run")],
         data = [module, ":" + index],
         args = ["--index", "$(rootpath :%s)" % index] + args,

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from dsa.lerobot import reference_actions
-from dsa.runtime import CompiledPolicy, sample_inputs
-from dsa.testing import runfile
+from dsa.frontends.lerobot.adapter import reference_actions
+from dsa.runtime.policy import CompiledPolicy, sample_inputs
+from dsa.tools.testing import runfile
 
 INDEX = runfile("models/act.modules.json")
 POLICY_DIR = runfile("models/act_policy/config.json").parent

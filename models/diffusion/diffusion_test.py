@@ -12,9 +12,9 @@ import re
 import numpy as np
 import pytest
 
-from dsa.lerobot import reference_actions
-from dsa.runtime import CompiledPolicy, sample_inputs
-from dsa.testing import runfile
+from dsa.frontends.lerobot.adapter import reference_actions
+from dsa.runtime.policy import CompiledPolicy, sample_inputs
+from dsa.tools.testing import runfile
 
 POLICY_DIR = runfile("models/diffusion_policy/config.json").parent
 REL_TOL = 1e-4

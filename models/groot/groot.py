@@ -1,7 +1,7 @@
 """A scaled-down GR00T-style split policy: a VLM backbone and a DiT flow-matching action head.
 
 After NVIDIA's GR00T N1 ("System 2" / "System 1"), as two separately exported and compiled modules that
-a link (rules/private/link.bzl, dsa/link.py) joins by the tensors they exchange:
+a link (rules/private/link.bzl, dsa/stages/link.py) joins by the tensors they exchange:
 
 * **backbone** (`backbone_spec`): a vision tower (ViT: patchify, learned positions, transformer blocks)
   whose image tokens are projected into a small language model's width, the prompt's token embeddings,
@@ -30,9 +30,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._higher_order_ops.while_loop import while_loop
 
-from dsa.spec import ExportSpec, InputSpec
+from dsa.stages.loops import kept_loop
+from dsa.stages.spec import ExportSpec, InputSpec
 from models.pi0.pi0 import _MASKED, Attention, Block, Mlp, PatchEncoder, _sinusoid
 
 
@@ -191,15 +191,11 @@ class GrootActionHead(nn.Module):
         state_token = self.state_encoder(state).unsqueeze(1)
         dt = 1.0 / steps.to(torch.float32)
 
-        def cond(i, x):
-            return i < steps
-
-        def body(i, x):
+        def step(i, x):
             t = i.to(torch.float32) * dt
-            return i + 1, x + dt * self.velocity(x, t, state_token, kvs, bias)
+            return x + dt * self.velocity(x, t, state_token, kvs, bias)
 
-        _, actions = while_loop(cond, body, (torch.zeros((), dtype=torch.int64), noise))
-        return actions
+        return kept_loop(steps, step, noise)
 
 
 def head_spec(view: dict, dims: dict) -> ExportSpec:

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-from dsa.bundle import open_bundle
-from dsa.errors import DsaError
-from dsa.export import export_model
-from dsa.fileio import read_json
-from dsa.link import CompiledPipeline, Stage, link
-from dsa.manifest import load_manifest, project
-from dsa.testing import eager_policy, runfile
+from dsa.runtime.bundle import open_bundle
+from dsa.core.errors import DsaError
+from dsa.stages.export import export_model
+from dsa.core.fileio import read_json
+from dsa.stages.link import CompiledPipeline, Stage, link
+from dsa.manifest.contract import load_manifest, project
+from dsa.tools.testing import eager_policy, runfile
 
 BACKBONE_MANIFEST = runfile("manifests/groot_backbone.yaml")
 HEAD_MANIFEST = runfile("manifests/groot_head.yaml")
@@ -132,7 +132,7 @@ def test_a_head_built_for_another_backbone_width_is_refused(views, tmp_path):
     # The CLI the DsaLink action runs: exit 2, one line, no link.json.
     out = tmp_path / "groot.link.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "dsa.link", "link", "--stage", f"groot_backbone={runfile('models/groot_backbone.modules.json')}",
+        [sys.executable, "-m", "dsa.stages.link", "link", "--stage", f"groot_backbone={runfile('models/groot_backbone.modules.json')}",
          "--stage", f"groot_head={tmp_path / 'head.export_record.json'}"]
         + [f"--edge={c}={p}" for c, p in edges] + ["--out", str(out)],
         capture_output=True, text=True, cwd=Path(__import__("dsa").__file__).resolve().parent.parent, check=False)

@@ -31,12 +31,12 @@ Deviations from OpenVLA, all deliberate and small:
     seeded stand-in all but ignores the token it just decoded and repeats one token 7 times;
   * towers, decoder and vocabulary are scaled down (widths 128/256, 2 + 4 layers, 1024 ids, 64×64 images).
 
-Every projection is an `nn.Linear`, so weight-only quantisation (`quant_scheme`, dsa/quant.py) packs all of
+Every projection is an `nn.Linear`, so weight-only quantisation (`quant_scheme`, dsa/stages/quant.py) packs all of
 them; embeddings, positions and norms stay float. Prompts are right-padded to a shape bucket with
 `prompt_mask` = 0: padded positions are masked out of every attention and the first action token is read
 at the last real prompt position, so a padded prompt gives the same tokens as the unpadded one.
 
-`export_spec(view, dims)` is the entry point the rule set calls (see `dsa.spec.ExportSpec`).
+`export_spec(view, dims)` is the entry point the rule set calls (see `dsa.stages.spec.ExportSpec`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsa.spec import ExportSpec, InputSpec
+from dsa.stages.spec import ExportSpec, InputSpec
 
 # Finite stand-in for -inf in additive attention masks (exp() underflows to exactly 0 in fp32, no NaN).
 _MASKED = -1.0e9

@@ -1,7 +1,7 @@
 """OpenVLA-style policy, int4 weight-only (group 32): exactness, accuracy against fp32, and size.
 
 1. Exactness. The compiled int4 modules are compared with eager PyTorch run with the SAME int4 weights: the
-   checkpoint's float weights passed through dsa.quant's own quantise + dequantise (what DsaParams packs and
+   checkpoint's float weights passed through dsa.stages.quant's own quantise + dequantise (what DsaParams packs and
    what the graph unpacks). The decoded action tokens must be identical and the actions equal within 1e-6
    (an action is the centre of the token's bin: equal tokens give equal centres up to one float rounding).
    The per-step action logits must agree within 2e-4 · max(1, max|logit|): both sides compute in fp32 and
@@ -39,12 +39,12 @@ import numpy as np
 import pytest
 import torch
 
-from dsa.fileio import read_json
-from dsa.manifest import load_manifest, project
-from dsa.params import read_archive_metadata
-from dsa.quant import dequantize, quantize_weight
-from dsa.runtime import CompiledPolicy, sample_inputs
-from dsa.testing import eager_policy, runfile
+from dsa.core.fileio import read_json
+from dsa.manifest.contract import load_manifest, project
+from dsa.runtime.policy import read_archive_metadata
+from dsa.stages.quant import dequantize, quantize_weight
+from dsa.runtime.policy import CompiledPolicy, sample_inputs
+from dsa.tools.testing import eager_policy, runfile
 
 MANIFEST = runfile("manifests/openvla.yaml")
 FP32_MANIFEST = runfile("manifests/openvla_fp32.yaml")
@@ -78,7 +78,7 @@ def eager_fp32():
 
 @pytest.fixture(scope="module")
 def eager_int4(manifest, eager_fp32):
-    """The fp32 eager model with every quantised weight replaced by its int4 round trip (dsa.quant)."""
+    """The fp32 eager model with every quantised weight replaced by its int4 round trip (dsa.stages.quant)."""
     record = read_json(INT4_RECORD)
     scheme = record["quantization"]["scheme"]
     assert scheme == manifest["quant_scheme"] == {"kind": "int4", "group_size": 32}

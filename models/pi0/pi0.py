@@ -15,7 +15,7 @@ one compiled module serves 1, 5 or 10 flow steps and the compiled IR keeps a loo
 Padded prompt positions (prompt_mask == 0) are excluded from every attention with an additive bias, so a
 prompt padded up to a shape bucket gives the same actions as the unpadded prompt.
 
-`export_spec(view, dims)` is the entry point the rule set calls (see `dsa.spec.ExportSpec`).
+`export_spec(view, dims)` is the entry point the rule set calls (see `dsa.stages.spec.ExportSpec`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._higher_order_ops.while_loop import while_loop
 
-from dsa.spec import ExportSpec, InputSpec
+from dsa.stages.loops import kept_loop
+from dsa.stages.spec import ExportSpec, InputSpec
 
 # Finite stand-in for -inf in additive attention masks: exp() underflows to exactly 0 in fp32 and it
 # never produces NaN for a row whose keys are all masked.
@@ -221,15 +221,11 @@ class Pi0Policy(nn.Module):
         )
         dt = -1.0 / steps.to(torch.float32)
 
-        def cond(i, x):
-            return i < steps
-
-        def body(i, x):
+        def step(i, x):
             t = 1.0 + i.to(torch.float32) * dt
-            return i + 1, x + dt * self.expert.velocity(x, t, prefix_kv, expert_bias)
+            return x + dt * self.expert.velocity(x, t, prefix_kv, expert_bias)
 
-        _, actions = while_loop(cond, body, (torch.zeros((), dtype=torch.int64), noise))
-        return actions
+        return kept_loop(steps, step, noise)
 
 
 def export_spec(view: dict, dims: dict) -> ExportSpec:

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from dsa.compile import compile_to_phase
-from dsa.fileio import read_json
-from dsa.manifest import load_manifest, project
-from dsa.runtime import CompiledPolicy, sample_inputs
-from dsa.testing import eager_policy, runfile
+from dsa.stages.compile import compile_to_phase
+from dsa.core.fileio import read_json
+from dsa.manifest.contract import load_manifest, project
+from dsa.runtime.policy import CompiledPolicy, sample_inputs
+from dsa.tools.testing import eager_policy, runfile
 
 MANIFEST = runfile("manifests/pi0.yaml")
 INDEX = runfile("models/pi0.modules.json")
@@ -91,7 +91,7 @@ def test_compiled_ir_keeps_one_flow_loop(manifest, policy):
 
 
 def test_prompt_longer_than_largest_bucket_is_refused(policy):
-    from dsa.errors import DsaError
+    from dsa.core.errors import DsaError
 
     with pytest.raises(DsaError, match=r"prompt_len is 129, longer than the largest bucket \(128"):
         policy.run(observation(policy.modules[0].record, 129, 1, seed=0))

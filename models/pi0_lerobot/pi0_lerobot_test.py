@@ -11,9 +11,9 @@ import re
 
 import pytest
 
-from dsa.lerobot_pi import GEMMA_SCHEME
-from dsa.runtime import CompiledPolicy
-from dsa.testing import runfile
+from dsa.frontends.lerobot.third_party.openpi_transformers import GEMMA_SCHEME
+from dsa.runtime.policy import CompiledPolicy
+from dsa.tools.testing import runfile
 from models.vla_loop_checks import MASK, check_kept_loop_matches_eager, check_step_count_is_a_runtime_input
 
 POLICY_DIR = runfile("models/pi0_lerobot_policy/config.json").parent

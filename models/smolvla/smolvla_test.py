@@ -11,9 +11,9 @@ import re
 
 import pytest
 
-from dsa.lerobot import SMOLVLM_SCHEME
-from dsa.runtime import CompiledPolicy
-from dsa.testing import runfile
+from dsa.frontends.lerobot.adapter import SMOLVLM_SCHEME
+from dsa.runtime.policy import CompiledPolicy
+from dsa.tools.testing import runfile
 from models.vla_loop_checks import MASK, check_kept_loop_matches_eager, check_step_count_is_a_runtime_input
 
 POLICY_DIR = runfile("models/smolvla_policy/config.json").parent

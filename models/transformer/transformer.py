@@ -9,7 +9,7 @@ it reads a 128-token prompt and the robot state, and regresses an action chunk f
     action = Linear(LayerNorm(h[:, -1]))  → [B, chunk_size, action_dim]
 
 The blocks are π0's (models/pi0), so the two models share their attention and MLP code.
-`export_spec(view, dims)` is the entry point the rule set calls (see dsa.spec.ExportSpec).
+`export_spec(view, dims)` is the entry point the rule set calls (see dsa.stages.spec.ExportSpec).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from dsa.spec import ExportSpec, InputSpec
+from dsa.stages.spec import ExportSpec, InputSpec
 from models.pi0.pi0 import _MASKED, Block, _sinusoid
 
 

@@ -8,9 +8,9 @@ output by O(1).
 import numpy as np
 import torch
 
-from dsa.manifest import load_manifest, project
-from dsa.runtime import CompiledPolicy, sample_inputs
-from dsa.testing import eager_policy, runfile
+from dsa.manifest.contract import load_manifest, project
+from dsa.runtime.policy import CompiledPolicy, sample_inputs
+from dsa.tools.testing import eager_policy, runfile
 
 MANIFEST = runfile("manifests/transformer.yaml")
 INDEX = runfile("models/transformer.modules.json")

@@ -1,6 +1,6 @@
 """dsa_bucket: specialises a dynamic dim of an exported model into shape buckets."""
 
-load(":common.bzl", "ENV_ATTRS", "TOOL_ATTRS", "execution_requirements", "manifest_view", "run_tool")
+load(":common.bzl", "TOOL_ATTRS", "execution_requirements", "manifest_view", "run_tool")
 load(":providers.bzl", "DsaBucketInfo", "DsaModelInfo")
 
 def _dsa_bucket_impl(ctx):
@@ -31,8 +31,8 @@ def _dsa_bucket_impl(ctx):
         run_tool(
             ctx,
             model.python_env,
-            ctx.executable._export_tool,
-            "dsa.export",
+            ctx.attr._export_tool,
+            "dsa.stages.export",
             [args],
             depset(
                 [model.export_view, view, model.export_record] + ([model.policy_config] if model.policy_config else []),
@@ -61,8 +61,7 @@ each bucket is its own export and compile action: editing one bucket size reruns
 `count` must equal the number of sizes the manifest lists (Bazel fixes the action graph before reading
 files); the manifest check says so when they disagree.""",
     attrs = dict(TOOL_ATTRS, **{
-        "_tool_sources": ENV_ATTRS["_tool_sources"],
-        "model": attr.label(mandatory = True, providers = [DsaModelInfo]),
+        "model": attr.label(mandatory = True, providers = [DsaModelInfo], doc = "The dsa_model whose export is specialised (its export view, record and sources)."),
         "dim": attr.string(mandatory = True, doc = "The dynamic dim to bucket (e.g. prompt_len)."),
         "count": attr.int(mandatory = True, doc = "How many bucket sizes the manifest lists for `dim`."),
         "_export_tool": attr.label(default = Label("//dsa:export_tool"), executable = True, cfg = "exec"),

@@ -84,10 +84,10 @@ dsa_bundle = rule(
 The archive (docs/bundle-format.md, format 1) holds the vmfbs with their export records and compile reports,
 the parameter archive, the manifest and its runtime view, the target spec, the recipe lock, a build report,
 an in-toto/SLSA provenance statement and bundle.json. Same inputs, same bytes: in any checkout, with any
-output base. `dsa-run --bundle` verifies and runs it, `dsa-diff` compares two.
+output base. `dsa run BUNDLE` verifies and runs it, `dsa diff` compares two.
 
 With `pipeline` (a dsa_pipeline) instead of `module`, the archive holds every stage's files under
-`<stage>.` names, the link and the pipeline index; `python -m dsa.link run --bundle` runs it.""",
+`<stage>.` names, the link and the pipeline index; `bin/dsa link run --bundle` runs it.""",
     attrs = dict(TOOL_ATTRS, **{
         "module": attr.label(providers = [DsaModuleInfo], doc = "A dsa_vmfb (or set `pipeline`)."),
         "pipeline": attr.label(
@@ -105,8 +105,8 @@ def dsa_release(name, bundle, **kwargs):
     native.filegroup(name = archive, srcs = [bundle], output_group = "archive", tags = ["manual"])
     py_binary(
         name = name,
-        srcs = [Label("//dsa:bundle.py")],
-        main = Label("//dsa:bundle.py"),
+        srcs = [Label("//dsa:runtime/bundle.py")],
+        main = Label("//dsa:runtime/bundle.py"),
         deps = [Label("//dsa:bundle")],
         data = [bundle, ":" + archive],
         args = ["release", "$(rootpath :%s)" % archive],

@@ -12,7 +12,7 @@ TOOL_ATTRS = {
 }
 
 # For rules whose actions may run in another dsa_python_env than the registered toolchain's (LeRobot
-# policies need torch 2.14.1 + LeRobot): that environment's `:env`, and the tool sources to run there.
+# policies need torch 2.14.1 + LeRobot): that environment's `:env`.
 ENV_ATTRS = {
     "python_env": attr.label(
         allow_files = True,
@@ -20,8 +20,26 @@ ENV_ATTRS = {
         doc = "A dsa_python_env's `:env` to run the export in, instead of the registered toolchain's " +
               "environment; LeRobot policies (framework: lerobot) need \"@dsa_lerobot_python//:env\".",
     ),
-    "_tool_sources": attr.label(default = Label("//dsa:tool_sources"), allow_files = True),
 }
+
+# The rule set's own package, to tell its sources from model code.
+_DSA_PACKAGE = Label("//dsa:BUILD.bazel")
+
+def dsa_sources(files):
+    """The rule set's own Python sources (and manifest schema) among `files`, sorted by path."""
+    by_path = {
+        f.path: f
+        for f in files
+        if f.is_source and f.owner.workspace_root == _DSA_PACKAGE.workspace_root and f.owner.package == _DSA_PACKAGE.package
+    }
+    return [by_path[path] for path in sorted(by_path.keys())]
+
+def stage_sources(stage_code, model_sources):
+    """The stage code a recipe lock records: //dsa:stage_code's files (core, manifest, stages) plus the
+    front end (dsa/frontends/...) the model's deps name, if any; dsa.stages.lock.stage_source_files lists
+    the same set without Bazel. Never runtime/ or tools/: editing a tool changes no lock."""
+    frontends = [f for f in dsa_sources(model_sources.to_list()) if repo_relative(f).startswith("dsa/frontends/")]
+    return dsa_sources(stage_code[DefaultInfo].default_runfiles.files.to_list() + frontends)
 
 def python_env_of(target):
     """struct(python, identity, files) of a dsa_python_env's `:env` target, or None for no target."""
@@ -35,19 +53,20 @@ def python_env_of(target):
     return struct(python = python[0], identity = identity[0], files = files)
 
 def run_tool(ctx, env, tool, module, arguments, inputs, **kwargs):
-    """Runs a //dsa tool: its py_binary on the toolchain's environment (env None), else `python -m module`
-    on `env`'s interpreter with the tool sources as inputs. The environment's identity is added to the
-    inputs either way, so a different environment is a different action key."""
+    """Runs a //dsa tool (`tool`, its py_binary target): the binary on the toolchain's environment (env
+    None), else `python -m module` on `env`'s interpreter with the binary's own sources — exactly the code
+    it runs, never the rest of the package — as inputs. The environment's identity is added to the inputs
+    either way, so a different environment is a different action key."""
     if env == None:
         ctx.actions.run(
-            executable = tool,
+            executable = tool[DefaultInfo].files_to_run,
             arguments = arguments,
             inputs = depset([ctx.file._toolchain_identity], transitive = [inputs]),
             env = ACTION_ENV,
             **kwargs
         )
         return
-    sources = ctx.files._tool_sources
+    sources = dsa_sources(tool[DefaultInfo].default_runfiles.files.to_list())
     ctx.actions.run(
         executable = env.python,
         arguments = ["-m", module] + arguments,
@@ -109,7 +128,7 @@ def pythonpath_of(files):
     return sorted(roots.keys())
 
 def repo_relative(f):
-    """A file's path inside its own repository (`dsa/export.py`), the same in every checkout and workspace."""
+    """A file's path inside its own repository (`dsa/stages/export.py`), the same in every checkout and workspace."""
     return f.short_path.split("/", 2)[2] if f.short_path.startswith("../") else f.short_path
 
 def relative_path(path, start):

@@ -4,7 +4,7 @@ load("@rules_python//python:defs.bzl", "PyInfo")
 load(":common.bzl", "ACTION_ENV", "ENV_ATTRS", "TOOL_ATTRS", "execution_requirements", "manifest_view", "python_env_of", "pythonpath_of", "run_tool")
 load(":providers.bzl", "DsaModelInfo")
 
-# rules_dsa's own `dsa` package: model code imports dsa.spec, but it is tool code, recorded as such in
+# rules_dsa's own `dsa` package: model code imports dsa.stages.spec, but it is tool code, recorded as such in
 # the lock, not as the model's sources.
 _DSA_PACKAGE = Label("//dsa:spec")
 
@@ -51,8 +51,8 @@ def _dsa_model_impl(ctx):
     run_tool(
         ctx,
         python_env,
-        ctx.executable._export_tool,
-        "dsa.export",
+        ctx.attr._export_tool,
+        "dsa.stages.export",
         [args],
         depset([export_view] + ([policy_config] if policy_config else []), transitive = [sources]),
         outputs = [mlir, record],
@@ -147,9 +147,9 @@ dsa_checkpoint = rule(
     doc = """A deterministic, seeded checkpoint for the manifest's model (for models whose real weights are
 not at hand). Byte-identical on every machine, so the manifest can pin its sha256 like any checkpoint's.""",
     attrs = dict(TOOL_ATTRS, **{
-        "manifest": attr.label(mandatory = True, allow_single_file = [".yaml", ".yml"]),
-        "deps": attr.label_list(providers = [PyInfo]),
-        "seed": attr.int(default = 0),
+        "manifest": attr.label(mandatory = True, allow_single_file = [".yaml", ".yml"], doc = "Deployment manifest (its export view builds the model)."),
+        "deps": attr.label_list(providers = [PyInfo], doc = "py_library targets holding the model code."),
+        "seed": attr.int(default = 0, doc = "Seed of the generated weights."),
         "out": attr.output(mandatory = True, doc = "The .safetensors file to write."),
         "_checkpoint_tool": attr.label(default = Label("//dsa:checkpoint_tool"), executable = True, cfg = "exec"),
     }),
@@ -166,8 +166,8 @@ def _dsa_lerobot_policy_impl(ctx):
     run_tool(
         ctx,
         python_env_of(ctx.attr.python_env),
-        None,
-        "dsa.lerobot",
+        ctx.attr._lerobot_tool,
+        "dsa.frontends.lerobot.adapter",
         [args],
         depset([ctx.file.config]),
         outputs = [out_config, out_weights],
@@ -195,6 +195,7 @@ dsa_lerobot_policy = rule(
             cfg = "exec",
             doc = "The dsa_python_env with LeRobot installed.",
         ),
+        "_lerobot_tool": attr.label(default = Label("//dsa:lerobot_tool"), executable = True, cfg = "exec"),
     })),
     # Predeclared, so that `:<name>/config.json` and `:<name>/model.safetensors` are labels a dsa_model
     # (and a manifest's relative paths) can name.

@@ -20,7 +20,7 @@ DsaModelInfo = provider(
         "mlir": "File: torch-dialect MLIR, dynamic dims kept dynamic.",
         "export_record": "File: the export record (JSON).",
         "params": "File: the .irpa parameter archive.",
-        "model_sources": "depset of Files: every Python source the export imports (model code and dsa.spec).",
+        "model_sources": "depset of Files: every Python source the export imports (model code and dsa.stages.spec).",
         "own_sources": "list of Files: the model's own sources (model_sources without rules_dsa's dsa package).",
         "pythonpath": "list of str: execroot-relative directories that hold the model code's packages.",
         "policy_config": "File or None: framework lerobot, the policy's config.json.",

@@ -1,14 +1,14 @@
 """dsa_vmfb: exported MLIR → IREE .vmfb for one target, plus the module index the runner loads."""
 
-load(":common.bzl", "ACTION_ENV", "execution_requirements", "TOOL_ATTRS", "manifest_view", "relative_path", "repo_relative")
+load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "execution_requirements", "manifest_view", "relative_path", "repo_relative", "stage_sources")
 load(":providers.bzl", "DsaBucketInfo", "DsaModelInfo", "DsaModuleInfo", "DsaTargetInfo")
 
 def _lock_action(ctx, lock, model, target, compile_view, bucket_views, mlirs, records, vmfbs, reports):
-    """DsaLock: digests of every input and output of these modules (see dsa/lock.py)."""
+    """DsaLock: digests of every input and output of these modules (see dsa/stages/lock.py)."""
     views = {"export": model.export_view, "params": model.params_view, "runtime": model.runtime_view, "compile": compile_view}
     for v in bucket_views:
         views["bucket/" + v.basename[:-len(".bucket_view.json")]] = v
-    tool_sources = ctx.files._tool_sources
+    tool_sources = stage_sources(ctx.attr._stage_code, model.model_sources)
     args = ctx.actions.args()
     args.add("--manifest", model.manifest)
     args.add_all(["%s=%s" % (k, v.path) for k, v in sorted(views.items())], before_each = "--view")
@@ -141,15 +141,16 @@ for that target (toolchains/tuning, chosen by measurement: `bazel run //bench:tu
 compile view, plus fixed reproducibility flags; the target must be one the manifest lists under `targets`.
 Editing the tuning file recompiles exactly the dsa_vmfb targets that name it.""",
     attrs = dict(TOOL_ATTRS, **{
-        "src": attr.label(mandatory = True, providers = [[DsaModelInfo], [DsaBucketInfo]]),
-        "target": attr.label(mandatory = True, providers = [DsaTargetInfo]),
+        "src": attr.label(mandatory = True, providers = [[DsaModelInfo], [DsaBucketInfo]], doc = "A dsa_model (one module) or a dsa_bucket (one module per bucket)."),
+        "target": attr.label(mandatory = True, providers = [DsaTargetInfo], doc = "A dsa_target; the manifest must list its name under `targets`."),
         "tuning": attr.label(
             allow_single_file = [".json"],
             doc = "Tuning file for this model family and target (toolchains/tuning/<family>.<target>.json).",
         ),
         "_compile_tool": attr.label(default = Label("//dsa:compile_tool"), executable = True, cfg = "exec"),
         "_lock_tool": attr.label(default = Label("//dsa:lock_tool"), executable = True, cfg = "exec"),
-        "_tool_sources": attr.label(default = Label("//dsa:tool_sources"), allow_files = True),
+        # The stage code the recipe lock records (never the tools: editing one changes no lock).
+        "_stage_code": attr.label(default = Label("//dsa:stage_code")),
     }),
     provides = [DsaModuleInfo],
 )

@@ -1,4 +1,4 @@
-"""dsa.bundle: the archive is deterministic, holds what docs/bundle-format.md says, and is refused when it is
+"""dsa.runtime.bundle: the archive is deterministic, holds what docs/bundle-format.md says, and is refused when it is
 corrupted, truncated, padded, of a newer format or inconsistent with its lock."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import tarfile
 import pytest
 
 from bundle_testlib import MODULES, built_inputs, cli, copy_inputs, flip_byte, member_offset, repack
-from dsa import bundle as B
-from dsa.errors import DsaError
-from dsa.fileio import read_json, sha256_file
-from dsa.testing import runfile
+from dsa.runtime import bundle as B
+from dsa.core.errors import DsaError
+from dsa.core.fileio import read_json, sha256_file
+from dsa.tools.testing import runfile
 
 EXPECTED_FILES = sorted(
     ["build_report.json", "bundle.json", "lock.json", "manifest.yaml", "modules.json", "params.irpa",
@@ -45,9 +45,9 @@ def test_the_python_api_and_the_bazel_rule_give_the_same_archive(tmp_path, built
 
 
 def test_create_from_a_module_index_gives_the_same_archive(tmp_path, built):
-    """`dsa-bundle create --index` (how a dsa-compile output is bundled), here on the build's own index."""
+    """`dsa bundle create --index` (how a dsa compile output is bundled), here on the build's own index."""
     out = tmp_path / "pi0_bundle.tar"
-    proc = cli("dsa.bundle", "create", "--index", "models/pi0.modules.json", "--manifest", "manifests/pi0.yaml",
+    proc = cli("dsa.runtime.bundle", "create", "--index", "models/pi0.modules.json", "--manifest", "manifests/pi0.yaml",
                "--out", out, cwd=runfile("."))
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes() == built.read_bytes()
@@ -55,7 +55,7 @@ def test_create_from_a_module_index_gives_the_same_archive(tmp_path, built):
 
 
 def test_create_without_index_names_the_missing_flag(tmp_path):
-    proc = cli("dsa.bundle", "create", "--manifest", "m.yaml", "--out", tmp_path / "x.tar")
+    proc = cli("dsa.runtime.bundle", "create", "--manifest", "m.yaml", "--out", tmp_path / "x.tar")
     assert proc.returncode == 2 and "--lock is required without --index" in proc.stderr
 
 
@@ -146,13 +146,13 @@ def test_build_report_has_ops_dispatches_flags_sizes_and_tool_versions(opened):
 
 
 def test_list_and_verify_cli(built):
-    listed = cli("dsa.bundle", "list", built)
+    listed = cli("dsa.runtime.bundle", "list", built)
     assert listed.returncode == 0, listed.stderr
     assert "matches pi0_bundle.sha256" in listed.stdout
     for name in EXPECTED_FILES:
         if name != "bundle.json":
             assert name in listed.stdout
-    verified = cli("dsa.bundle", "verify", built)
+    verified = cli("dsa.runtime.bundle", "verify", built)
     assert verified.returncode == 0, verified.stderr
     assert "prompt_len_2: prompt_len=128" in verified.stdout and "dispatches" in verified.stdout
 
@@ -213,7 +213,7 @@ def test_appended_bytes_are_refused(built_copy):
 def test_format_2_is_refused(opened, tmp_path):
     newer = repack(opened.root, tmp_path / "newer.tar", lambda meta: meta.update(format=2))
     _refused(newer, "bundle format 2 is not supported", "reads format 1", "docs/bundle-format.md")
-    proc = cli("dsa.bundle", "verify", newer)
+    proc = cli("dsa.runtime.bundle", "verify", newer)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "bundle format 2 is not supported" in proc.stderr
 
@@ -278,19 +278,19 @@ def test_create_refuses_another_lock_format(tmp_path):
 # -- release --------------------------------------------------------------------------------------------
 
 def test_release_copies_archive_and_digest_into_a_new_directory(built, tmp_path):
-    proc = cli("dsa.bundle", "release", built, "dist/v1", env={"BUILD_WORKING_DIRECTORY": str(tmp_path)})
+    proc = cli("dsa.runtime.bundle", "release", built, "dist/v1", env={"BUILD_WORKING_DIRECTORY": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     dest = tmp_path / "dist/v1"
     assert (dest / "pi0_bundle.tar").read_bytes() == built.read_bytes()
     assert (dest / "pi0_bundle.sha256").read_text() == B.sidecar_path(built).read_text()
     assert str(dest / "pi0_bundle.tar") in proc.stdout
     # Released again over itself: the same result.
-    again = cli("dsa.bundle", "release", built, str(dest))
+    again = cli("dsa.runtime.bundle", "release", built, str(dest))
     assert again.returncode == 0, again.stderr
 
 
 def test_release_refuses_a_corrupted_bundle(built_copy, tmp_path):
     flip_byte(built_copy, member_offset(built_copy, "params.irpa"))
-    proc = cli("dsa.bundle", "release", built_copy, tmp_path / "dist")
+    proc = cli("dsa.runtime.bundle", "release", built_copy, tmp_path / "dist")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "sha256" in proc.stderr
     assert not (tmp_path / "dist").exists()

@@ -11,14 +11,14 @@ import tarfile
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
-from dsa import bundle as B
-from dsa.fileio import canonical_json, read_json, sha256_file
-from dsa.testing import runfile
+from dsa.runtime import bundle as B
+from dsa.core.fileio import canonical_json, read_json, sha256_file
+from dsa.tools.testing import runfile
 
 MODULES = ["prompt_len_0", "prompt_len_1", "prompt_len_2"]
 BUILT = "models/pi0_bundle.tar"
 # The directory that holds the dsa package, for CLI subprocesses.
-PACKAGE_ROOT = Path(B.__file__).resolve().parent.parent
+PACKAGE_ROOT = Path(B.__file__).resolve().parents[2]
 
 
 def built_inputs() -> Dict[str, object]:

@@ -13,8 +13,8 @@ if str(HERE) not in sys.path:  # bundle_testlib sits beside the tests
     sys.path.insert(0, str(HERE))
 
 from bundle_testlib import BUILT  # noqa: E402
-from dsa import bundle as B  # noqa: E402
-from dsa.testing import runfile  # noqa: E402
+from dsa.runtime import bundle as B  # noqa: E402
+from dsa.tools.testing import runfile  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,13 @@ import json
 import pytest
 
 from bundle_testlib import cli, flip_byte, rebundle
-from dsa import bundle as B
-from dsa.checkpoint import make_checkpoint
-from dsa.diff import diff_bundles, format_text
-from dsa.fileio import canonical_json, read_json, sha256_file
-from dsa.manifest import dump_json, load_manifest, project
-from dsa.params import build_params
-from dsa.testing import runfile
+from dsa.runtime import bundle as B
+from dsa.stages.checkpoint import make_checkpoint
+from dsa.tools.diff import diff_bundles, format_text
+from dsa.core.fileio import canonical_json, read_json, sha256_file
+from dsa.manifest.contract import dump_json, load_manifest, project
+from dsa.stages.params import build_params
+from dsa.tools.testing import runfile
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_checkpoint_only_names_the_checkpoint_and_params_irpa(built, checkpoint_
     # Derived: only the params view moved (JSON only).
     assert result["intermediates"] == {"views": {"changed": {"params": result["intermediates"]["views"]["changed"]["params"]}}}
 
-    proc = cli("dsa.diff", built, checkpoint_bundle)
+    proc = cli("dsa.tools.diff", built, checkpoint_bundle)
     assert proc.returncode == 0, proc.stderr
     changed = [line.strip().split(":")[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
     assert changed == ["checkpoint", "params.irpa"], proc.stdout
@@ -94,7 +94,7 @@ def test_checkpoint_only_names_the_checkpoint_and_params_irpa(built, checkpoint_
 
 
 def test_checkpoint_diff_as_json(built, checkpoint_bundle):
-    proc = cli("dsa.diff", "--json", built, checkpoint_bundle)
+    proc = cli("dsa.tools.diff", "--json", built, checkpoint_bundle)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert sorted(result["inputs"]) == ["checkpoint"] and sorted(result["artifacts"]) == ["params.irpa"]
@@ -108,7 +108,7 @@ def test_artifact_changed_with_no_input_is_suspicious(built, nondeterministic_bu
     assert result["inputs"] == {}
     assert sorted(result["artifacts"]) == ["prompt_len_1.compile_report.json", "prompt_len_1.vmfb"]
     assert len(result["suspicious"]) == 1 and "while no input did" in result["suspicious"][0]
-    proc = cli("dsa.diff", built, nondeterministic_bundle)
+    proc = cli("dsa.tools.diff", built, nondeterministic_bundle)
     assert proc.returncode == 1, proc.stderr
     assert "inputs changed: none" in proc.stdout
     assert "SUSPICIOUS: prompt_len_1.compile_report.json, prompt_len_1.vmfb changed while no input did" in proc.stdout
@@ -176,11 +176,11 @@ def test_manifest_fields_sources_toolchain_and_flags_are_named(opened, tmp_path)
 
 
 def test_identical_bundles(built):
-    proc = cli("dsa.diff", built, built)
+    proc = cli("dsa.tools.diff", built, built)
     assert proc.returncode == 0 and "identical" in proc.stdout
 
 
 def test_unreadable_bundle_exits_2(built, built_copy):
     flip_byte(built_copy, 9000)
-    proc = cli("dsa.diff", built, built_copy)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "dsa-diff: error:" in proc.stderr
+    proc = cli("dsa.tools.diff", built, built_copy)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "dsa diff: error:" in proc.stderr

@@ -48,7 +48,7 @@ echo "repro: ${checkouts[1]}: ${digests[1]}"
 if [ "${digests[0]}" != "${digests[1]}" ]; then
     echo "repro: FAILED: the two checkouts built different bundles; what differs:" >&2
     (cd "${checkouts[0]}" &&
-        "${bases[0]}/external/dsa_python/bin/python3" -m dsa.diff \
+        "${bases[0]}/external/dsa_python/bin/python3" -m dsa.tools.diff \
             "${checkouts[0]}/bazel-bin/models/pi0_bundle.tar" "${checkouts[1]}/bazel-bin/models/pi0_bundle.tar" >&2 ||
         true)
     exit 1

@@ -1,4 +1,4 @@
-"""`dsa-run --bundle`: runs the built π0 bundle after verifying it; refuses a damaged or mismatched one (exit 2,
+"""`dsa run BUNDLE`: runs the built π0 bundle after verifying it; refuses a damaged or mismatched one (exit 2,
 one message, no traceback)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import re
 import pytest
 
 from bundle_testlib import cli, flip_byte, member_offset, rebundle, repack
-from dsa.fileio import canonical_json, read_json
-from dsa.testing import runfile
+from dsa.core.fileio import canonical_json, read_json
+from dsa.tools.testing import runfile
 
 
 def _action_lines(stdout: str):
@@ -18,7 +18,7 @@ def _action_lines(stdout: str):
 
 @pytest.mark.parametrize("steps", [1, 10])
 def test_run_bundle_prints_an_action_chunk(built, steps):
-    proc = cli("dsa.run", "--bundle", built, "--steps", steps, "--repeats", "3")
+    proc = cli("dsa.runtime.run", "--bundle", built, "--steps", steps, "--repeats", "3")
     assert proc.returncode == 0, proc.stderr
     assert "matches pi0_bundle.sha256" in proc.stdout and "17 files verified" in proc.stdout
     (line,) = _action_lines(proc.stdout)
@@ -29,8 +29,8 @@ def test_run_bundle_prints_an_action_chunk(built, steps):
 
 def test_run_bundle_picks_the_bucket_and_matches_the_build_tree(built):
     args = ["--prompt-len", "100", "--steps", "1", "10", "--repeats", "1"]
-    from_bundle = cli("dsa.run", "--bundle", built, *args)
-    from_index = cli("dsa.run", "--index", runfile("models/pi0.modules.json"), *args)
+    from_bundle = cli("dsa.runtime.run", "--bundle", built, *args)
+    from_index = cli("dsa.runtime.run", "--index", runfile("models/pi0.modules.json"), *args)
     assert from_bundle.returncode == 0, from_bundle.stderr
     assert from_index.returncode == 0, from_index.stderr
     assert all("bucket prompt_len=128" in line for line in _action_lines(from_bundle.stdout))
@@ -42,7 +42,7 @@ def test_run_bundle_picks_the_bucket_and_matches_the_build_tree(built):
 
 
 def test_run_bundle_relative_to_bazel_run_directory(built, tmp_path):
-    proc = cli("dsa.run", "--bundle", "pi0_bundle.tar", "--steps", "1", "--repeats", "1",
+    proc = cli("dsa.runtime.run", "--bundle", "pi0_bundle.tar", "--steps", "1", "--repeats", "1",
                cwd=tmp_path, env={"BUILD_WORKING_DIRECTORY": str(built.parent)})
     assert proc.returncode == 0, proc.stderr
 
@@ -50,36 +50,36 @@ def test_run_bundle_relative_to_bazel_run_directory(built, tmp_path):
 def _refused(proc, *fragments):
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr and not _action_lines(proc.stdout)
-    assert proc.stderr.startswith("dsa-run: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("dsa run: error: ") and proc.stderr.count("\n") == 1, proc.stderr
     for fragment in fragments:
         assert fragment in proc.stderr, proc.stderr
 
 
 def test_flipped_byte_is_refused(built_copy):
     flip_byte(built_copy, member_offset(built_copy, "prompt_len_0.vmfb") + 4096)
-    _refused(cli("dsa.run", "--bundle", built_copy, "--steps", "1"), "pi0_bundle.tar: sha256 is",
+    _refused(cli("dsa.runtime.run", "--bundle", built_copy, "--steps", "1"), "pi0_bundle.tar: sha256 is",
              "pi0_bundle.sha256 records")
     built_copy.with_suffix(".sha256").unlink()
-    _refused(cli("dsa.run", "--bundle", built_copy, "--steps", "1"), "prompt_len_0.vmfb: has sha256",
+    _refused(cli("dsa.runtime.run", "--bundle", built_copy, "--steps", "1"), "prompt_len_0.vmfb: has sha256",
              "bundle.json records")
 
 
 def test_truncated_is_refused(built_copy):
     built_copy.write_bytes(built_copy.read_bytes()[:-20000])
-    _refused(cli("dsa.run", "--bundle", built_copy, "--steps", "1"), "pi0_bundle.sha256 records")
+    _refused(cli("dsa.runtime.run", "--bundle", built_copy, "--steps", "1"), "pi0_bundle.sha256 records")
     built_copy.with_suffix(".sha256").unlink()
-    _refused(cli("dsa.run", "--bundle", built_copy, "--steps", "1"), "not a readable bundle archive",
+    _refused(cli("dsa.runtime.run", "--bundle", built_copy, "--steps", "1"), "not a readable bundle archive",
              "truncated")
 
 
 def test_format_2_is_refused(opened, tmp_path):
     newer = repack(opened.root, tmp_path / "newer.tar", lambda meta: meta.update(format=2))
-    _refused(cli("dsa.run", "--bundle", newer, "--steps", "1"), "bundle format 2 is not supported",
+    _refused(cli("dsa.runtime.run", "--bundle", newer, "--steps", "1"), "bundle format 2 is not supported",
              "reads format 1")
 
 
 def test_missing_bundle_is_refused(tmp_path):
-    _refused(cli("dsa.run", "--bundle", tmp_path / "nothing.tar"), "no such bundle archive")
+    _refused(cli("dsa.runtime.run", "--bundle", tmp_path / "nothing.tar"), "no such bundle archive")
 
 
 def test_parameter_shape_mismatch_is_refused_before_loading(opened, tmp_path):
@@ -90,5 +90,5 @@ def test_parameter_shape_mismatch_is_refused_before_loading(opened, tmp_path):
     param = record["parameters"][0]
     param["shape"] = list(reversed(param["shape"])) + [1]
     bad = rebundle(opened, tmp_path / "bad.tar", files={name: canonical_json(record).encode()})
-    _refused(cli("dsa.run", "--bundle", bad, "--steps", "1"), f"parameter '{param['name']}'",
+    _refused(cli("dsa.runtime.run", "--bundle", bad, "--steps", "1"), f"parameter '{param['name']}'",
              "the module expects")

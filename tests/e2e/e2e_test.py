@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from dsa.execlog import executed_mnemonics, read_execution_log
+from dsa.tools.execlog import executed_mnemonics, read_execution_log
 
 RUNFILES = Path(os.environ["TEST_SRCDIR"]) / os.environ["TEST_WORKSPACE"]
 TEMPLATE = RUNFILES / "tests" / "e2e" / "workspace"
@@ -462,3 +462,65 @@ def test_one_bucket_edit_reexports_and_recompiles_only_that_bucket(ws, edits):
     assert ran["DsaExport"] == 1 and ran["DsaCompile"] == 1 and ran["DsaParams"] == 0, ran
     after = [v.read_bytes() for v in ws.vmfbs]
     assert after[0] == before[0] and after[1] != before[1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The rule set's own code: a tool is in no action's inputs; a stage reruns what runs it.
+
+
+@pytest.fixture
+def rule_set_edits(ws):
+    e = Edits(ws.rules_dsa)
+    try:
+        yield e
+    finally:
+        e.restore()
+
+
+def _append_comment(edits: Edits, name: str) -> None:
+    path = edits.create(name)
+    path.write_text(path.read_text(encoding="utf-8") + "\n# an edit that changes no behaviour\n", encoding="utf-8")
+
+
+@pytest.mark.parametrize("tool", ["dsa/tools/bench.py", "dsa/tools/profiler.py", "dsa/tools/diff.py",
+                                  "dsa/tools/pipeline.py"])
+def test_editing_a_tool_module_runs_no_action_and_keeps_the_bundle(ws, rule_set_edits, tool):
+    """Tools (dsa/tools/) are in no action's inputs and not in the recipe lock: editing one executes nothing,
+    and the release bundle keeps its sha256."""
+    ws.build(TARGET, "//:tiny_bundle")
+    bundle = (ws.bin / "tiny_bundle.sha256").read_text()
+    lock = sha256(ws.bin / "tiny.lock.json")
+    _append_comment(rule_set_edits, tool)
+    _, log = ws.build(TARGET, "//:tiny_bundle")
+    assert log == [], f"editing {tool} spawned {executed_mnemonics(log)}"
+    assert (ws.bin / "tiny_bundle.sha256").read_text() == bundle
+    assert sha256(ws.bin / "tiny.lock.json") == lock
+
+
+@pytest.mark.parametrize(
+    "stage, reruns",
+    [
+        ("dsa/stages/compile.py", {"DsaCompile": len(BUCKETS)}),
+        ("dsa/stages/params.py", {"DsaParams": 1}),
+        ("dsa/stages/export.py", {"DsaExport": 1 + len(BUCKETS), "DsaCheckpoint": 1}),
+    ],
+    ids=["compile", "params", "export"],
+)
+def test_editing_a_stage_module_reruns_that_stage_and_the_lock(ws, rule_set_edits, stage, reruns):
+    """A stage's code is an input of the actions that run it and recorded in the lock: editing it reruns that
+    stage (and the lock, which records its digest), nothing else; an edit that changes no behaviour gives
+    the same modules and archive."""
+    ws.build(TARGET, "//:tiny_bundle")
+    before = {p: sha256(p) for p in ws.vmfbs + [ws.irpa, ws.model_mlir]}
+    lock = json.loads((ws.bin / "tiny.lock.json").read_text())
+    assert stage in lock["tool_sources"], sorted(lock["tool_sources"])
+    assert not [k for k in lock["tool_sources"] if k.startswith(("dsa/tools/", "dsa/runtime/"))], lock["tool_sources"]
+    _append_comment(rule_set_edits, stage)
+    _, log = ws.build(TARGET, "//:tiny_bundle")
+    ran = executed_mnemonics(log)
+    for mnemonic, count in reruns.items():
+        assert ran[mnemonic] == count, ran
+    assert ran["DsaLock"] == 1 and ran["DsaBundle"] == 1, ran
+    assert set(ran) <= set(reruns) | {"DsaLock", "DsaBundle"}, ran
+    assert {p: sha256(p) for p in before} == before
+    assert json.loads((ws.bin / "tiny.lock.json").read_text())["tool_sources"][stage] != lock["tool_sources"][stage]

@@ -1,4 +1,4 @@
-"""Tests of dsa.manifest: the reference manifest, projections, and a corpus of malformed manifests.
+"""Tests of dsa.manifest.contract: the reference manifest, projections, and a corpus of malformed manifests.
 
 corpus/*.yaml are manifests/pi0.yaml with one defect each; corpus/expected.json maps each file to the exact
 line the CLI must print on stderr.
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft202012Validator
 
-import dsa.manifest
-from dsa.manifest import (
+import dsa.manifest.contract
+from dsa.manifest.contract import (
     SCHEMA,
     ManifestError,
     dump_json,
@@ -27,7 +27,7 @@ from dsa.manifest import (
 CORPUS = Path(__file__).parent / "corpus"
 EXPECTED = json.loads((CORPUS / "expected.json").read_text(encoding="utf-8"))
 # The directory that contains the dsa package, for CLI subprocesses.
-PACKAGE_ROOT = Path(dsa.manifest.__file__).parent.parent
+PACKAGE_ROOT = Path(dsa.manifest.contract.__file__).parents[2]
 KNOWN_TARGETS = {"x86_64-v3"}
 MIN_BUCKET = {"prompt_len": 2}
 
@@ -58,7 +58,7 @@ def run_cli(*args, cwd=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in sys.path if p])
     return subprocess.run(
-        [sys.executable, "-m", "dsa.manifest", *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env
+        [sys.executable, "-m", "dsa.manifest.contract", *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env
     )
 
 

@@ -4,11 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from dsa import bench, tune
-from dsa.compile import compile_flags, tuning_flags
-from dsa.errors import DsaError
-from dsa.fileio import read_json
-from dsa.testing import runfile
+from dsa.tools import bench
+from dsa.tools import tune
+from dsa.stages.compile import compile_flags, tuning_flags
+from dsa.core.errors import DsaError
+from dsa.core.fileio import read_json
+from dsa.tools.testing import runfile
 
 ROOT = runfile(".")
 TUNING = runfile("toolchains/tuning")

@@ -30,8 +30,8 @@ import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for dsa.execlog
-from dsa.execlog import read_execution_log  # noqa: E402  (standard library only)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for dsa.tools.execlog
+from dsa.tools.execlog import read_execution_log  # noqa: E402  (standard library only)
 
 PREFIX = "Dsa"
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from dsa.manifest import load_manifest, project
-from dsa.testing import runfile
+from dsa.manifest.contract import load_manifest, project
+from dsa.tools.testing import runfile
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # tiny_models is imported by entry point name

@@ -1,22 +1,16 @@
-"""tools/import_matrix.py without Bazel: the table is a pure function of the collected data (row order, units,
+"""dsa/tools/import_matrix.py without Bazel: the table is a pure function of the collected data (row order, units,
 ✗ and "not run" cells), the README's marked section is replaced without touching the rest, test.xml is read
 as passed / failed / not run, and a child's peak RSS comes from its wait4 rusage."""
 
-import importlib.util
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from dsa.errors import DsaError
+from dsa.core.errors import DsaError
 
-# Loaded by path: tools/ is no package (and another repository's `tools` may come first on sys.path). From the
-# runfiles tree under Bazel (not resolved: this file is a symlink into the source tree there).
-_PATH = Path(__file__).absolute().parent.parent.parent / "tools" / "import_matrix.py"
-_SPEC = importlib.util.spec_from_file_location("import_matrix", _PATH)
-im = importlib.util.module_from_spec(_SPEC)
-sys.modules["import_matrix"] = im
-_SPEC.loader.exec_module(im)
+from dsa.tools import import_matrix as im
 
 
 def _row(model, module=None, *, pipeline=None, export=True, compile=True, parity="passed", modules=1,
@@ -218,18 +212,45 @@ def test_sample_values_use_smallest_dynamic_size_and_flow_steps():
     assert int(clamped["steps"]) == 100
 
 
+def _runfiles_bin() -> Path:
+    """The directory holding models/policies_index.json (//models:policies_index, this test's data)."""
+    return Path(__file__).absolute().parents[2]
+
+
 def test_unknown_model_is_refused():
+    models = im.read_models(_runfiles_bin())
     with pytest.raises(DsaError, match="no model nope"):
-        im.select_models("act,nope")
-    assert [m.name for m in im.select_models("pi0,act")] == ["pi0", "act"]
+        im.select_models("act,nope", models)
+    assert [m.name for m in im.select_models("pi0,act", models)] == ["pi0", "act"]
+
+
+def test_rows_come_from_the_policies_index_with_pipelines_in_one_row(tmp_path):
+    (tmp_path / "models").mkdir()
+    index = {"format": 1,
+             "policies": [{"name": "a", "test": "//m:a_test"}, {"name": "bb", "test": ""}, {"name": "hd", "test": ""}],
+             "pipelines": [{"name": "split", "stages": ["bb", "hd"], "test": "//m:split_test"}]}
+    (tmp_path / "models" / "policies_index.json").write_text(json.dumps(index))
+    rows = im.read_models(tmp_path)
+    assert [(m.name, m.test, m.stages) for m in rows] == [("a", "//m:a_test", ()),
+                                                         ("split", "//m:split_test", ("bb", "hd"))]
+    (tmp_path / "models" / "policies_index.json").write_text(json.dumps(dict(index, format=9)))
+    with pytest.raises(DsaError, match="policies index format 9 is not supported"):
+        im.read_models(tmp_path)
+    (tmp_path / "models" / "policies_index.json").unlink()
+    with pytest.raises(DsaError, match="no policies index.*//models:policies_index"):
+        im.read_models(tmp_path)
 
 
 def test_every_manifest_is_a_row_or_a_stage_of_the_matrix():
-    """A model added to models/ without a matrix row would silently be missing from the README's table."""
+    """A manifest without a dsa_policy (or a pipeline stage) in models/BUILD.bazel would silently be missing
+    from the README's table: the policies index, discovered from the build graph, must cover every one."""
     import yaml
 
-    manifests = _PATH.parent.parent / "manifests"
+    manifests = Path(__file__).absolute().parents[2] / "manifests"
     model_ids = {yaml.safe_load(p.read_text())["model_id"] for p in manifests.glob("*.yaml")}
     assert model_ids, manifests
-    rows = {m.name for m in im.MODELS} | {stage for m in im.MODELS for stage in (m.stages or ())}
+    models = im.read_models(_runfiles_bin())
+    rows = {m.name for m in models} | {stage for m in models for stage in (m.stages or ())}
     assert model_ids <= rows, sorted(model_ids - rows)
+    tests = {m.name: m.test for m in models}
+    assert tests["pi0"] == "//models/pi0:pi0_test" and tests["groot"] == "//models/groot:groot_test"

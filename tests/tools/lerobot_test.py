@@ -1,4 +1,4 @@
-"""dsa.lerobot: random-init LeRobot checkpoints, the export adapters' eager parity with LeRobot, the
+"""dsa.frontends.lerobot.adapter: random-init LeRobot checkpoints, the export adapters' eager parity with LeRobot, the
 tensorised DDIM step against diffusers, and the refusals. Eager only (no torch.export, no IREE); small
 configs so the file runs in well under two minutes."""
 
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from dsa import lerobot, lerobot_pi
-from dsa.errors import DsaError, run_cli
+from dsa.frontends.lerobot import adapter as lerobot
+from dsa.frontends.lerobot.third_party import openpi_transformers as lerobot_pi
+from dsa.core.errors import DsaError, run_cli
 
 SMALL_ACT = {
     "dim_model": 64, "n_heads": 4, "dim_feedforward": 128, "n_encoder_layers": 1, "n_decoder_layers": 1,
@@ -668,7 +669,8 @@ def test_smolvla_outputs_are_the_same_before_and_after_the_pi_patch(smolvla_dir)
 
     script = (
         "import sys, numpy as np\n"
-        "from dsa import lerobot, lerobot_pi\n"
+        "from dsa.frontends.lerobot import adapter as lerobot\n"
+        "from dsa.frontends.lerobot.third_party import openpi_transformers as lerobot_pi\n"
         "d = sys.argv[1]; rng = np.random.default_rng(0)\n"
         "x = {'observation.images.top': rng.random((1, 3, 24, 40), dtype=np.float32),\n"
         "     'observation.images.wrist': rng.random((1, 3, 32, 32), dtype=np.float32),\n"

@@ -1,4 +1,4 @@
-"""dsa.link without Bazel: the edge check on hand-made export records, link.json's content, and the CLI
+"""dsa.stages.link without Bazel: the edge check on hand-made export records, link.json's content, and the CLI
 (a refused link exits 2 with one message naming the edge and leaves no output)."""
 
 import copy
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dsa.errors import DsaError
-from dsa.link import Stage, edges_of, link
+from dsa.core.errors import DsaError
+from dsa.stages.link import Stage, edges_of, link
 
 PACKAGE_ROOT = Path(__import__("dsa").__file__).resolve().parent.parent
 
@@ -119,7 +119,7 @@ def test_every_bucket_of_the_consumer_is_checked():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "dsa.link", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dsa.stages.link", *map(str, args)], capture_output=True, text=True,
                           cwd=PACKAGE_ROOT, check=False)
 
 
@@ -150,7 +150,7 @@ def test_cli_refuses_a_mismatch_with_exit_2_and_no_output(tmp_path):
     proc = _cli("link", "--stage", f"bb={bb}", "--stage", f"head={head}",
                 "--edge", "head.features=bb.features", "--edge", "head.mask=bb.mask", "--out", out)
     assert proc.returncode == 2
-    assert proc.stderr.startswith("dsa-link: error: edge 'features' (bb.features → head.features)")
+    assert proc.stderr.startswith("dsa link: error: edge 'features' (bb.features → head.features)")
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert {p.name for p in tmp_path.iterdir()} == {"bb.json", "head.json"}  # no link.json, no partial file
 
@@ -164,9 +164,9 @@ def test_cli_refuses_two_edges_into_one_input(tmp_path):
 
 
 def test_the_bundle_writer_reads_this_link_format():
-    """dsa.bundle keeps its own copy of the link and pipeline index formats (it does not import dsa.link)."""
-    import dsa.bundle
-    import dsa.link
+    """The bundle reader (runtime) and the link stage read the link and pipeline index formats from dsa.core.formats."""
+    import dsa.runtime.bundle
+    import dsa.stages.link
 
-    assert dsa.bundle.LINK_FORMAT == dsa.link.LINK_FORMAT
-    assert dsa.bundle.PIPELINE_INDEX_FORMAT == dsa.link.PIPELINE_INDEX_FORMAT
+    assert dsa.runtime.bundle.LINK_FORMAT == dsa.stages.link.LINK_FORMAT
+    assert dsa.runtime.bundle.PIPELINE_INDEX_FORMAT == dsa.stages.link.PIPELINE_INDEX_FORMAT

@@ -1,8 +1,8 @@
-"""The FX rewrites of dsa.passes: each finds its pattern (and only it), and the rewritten program computes
+"""The FX rewrites of dsa.stages.passes: each finds its pattern (and only it), and the rewritten program computes
 what the eager module computes (fp32, max |difference| <= 1e-5 x max |output| unless stated); one small
 model with every pattern still imports with aot.export, compiles with iree-compile and runs like eager.
 
-Programs are exported as dsa.export does: eval module, parameters externalised, strict=False."""
+Programs are exported as dsa.stages.export does: eval module, parameters externalised, strict=False."""
 
 import math
 import subprocess
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dsa.errors import DsaError
-from dsa.passes import DEFAULT_PASSES, PASSES, apply_passes
+from dsa.core.errors import DsaError
+from dsa.stages.passes import DEFAULT_PASSES, PASSES, apply_passes
 
 aten = torch.ops.aten
 RTOL = 1e-5
@@ -467,7 +467,7 @@ def test_rewritten_program_imports_compiles_and_runs_like_eager(tmp_path):
     from iree.compiler.tools.binaries import find_tool
     from iree.turbine import aot
 
-    from dsa import importer_fixes
+    from dsa.stages import importer_fixes
 
     importer_fixes.apply()
     torch.manual_seed(0)

@@ -1,8 +1,8 @@
 """dsa-compile (no Bazel) runs the same stage code as the rules and gives byte-identical artifacts and lock."""
 
-from dsa.fileio import read_json, sha256_file
-from dsa.pipeline import run_pipeline
-from dsa.testing import runfile
+from dsa.core.fileio import read_json, sha256_file
+from dsa.tools.pipeline import run_pipeline
+from dsa.tools.testing import runfile
 
 
 def test_dsa_compile_matches_bazel_build_byte_for_byte(tmp_path):

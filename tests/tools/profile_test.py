@@ -1,4 +1,4 @@
-"""dsa.profiler: a model's dispatches, profiled, each named by the torch ops and model modules it came from.
+"""dsa.tools.profiler: a model's dispatches, profiled, each named by the torch ops and model modules it came from.
 
 The tiny policy below (a conv patchifier, an attention block, a linear head) is the manifest's entry point
 (`profile_test:tiny_policy`). Times are only checked to be positive and to add up sanely."""
@@ -16,9 +16,9 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from dsa.errors import DsaError
-from dsa.spec import ExportSpec, InputSpec
-from dsa.testing import runfile
+from dsa.core.errors import DsaError
+from dsa.stages.spec import ExportSpec, InputSpec
+from dsa.tools.testing import runfile
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # the manifest's entry point is this module
@@ -90,7 +90,7 @@ def tiny(tmp_path_factory):
     """A manifest for the tiny policy (pi0.yaml's shape), its checkpoint, and a target spec."""
     from safetensors.torch import save_file
 
-    from dsa.fileio import sha256_file
+    from dsa.core.fileio import sha256_file
 
     out = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
@@ -109,7 +109,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def profiled(tiny):
     """Profiled without graph rewrites, so the conv and the fused attention keep their own dispatches."""
-    from dsa.profiler import profile_model
+    from dsa.tools.profiler import profile_model
 
     keep = tiny["dir"] / "kept"
     result = profile_model(tiny["manifest"], tiny["checkpoint"], tiny["target"], runs=3, pythonpath=[str(HERE)],
@@ -120,7 +120,7 @@ def profiled(tiny):
 def test_with_the_default_rewrites_the_rewritten_ops_keep_their_module_paths(tiny):
     """As the build compiles it (default rewrites): the patch conv became a matmul and the attention two
     matmuls and a softmax, and their dispatches are still named by the modules they came from."""
-    from dsa.profiler import profile_model
+    from dsa.tools.profiler import profile_model
 
     result = profile_model(tiny["manifest"], tiny["checkpoint"], tiny["target"], runs=2, pythonpath=[str(HERE)])
     assert result["rewrites"] is None  # the manifest's (default) rewrites
@@ -166,7 +166,7 @@ def test_the_attention_module_and_its_linears_are_named(profiled):
 
 
 def test_the_table_lists_the_top_dispatches_and_totals(profiled):
-    from dsa.profiler import format_profile
+    from dsa.tools.profiler import format_profile
 
     result, _ = profiled
     text = format_profile(result, top=2)
@@ -195,7 +195,7 @@ def test_bin_dsa_profile_with_a_parameter_archive(profiled, tiny, tmp_path):
 
 
 def test_bad_requests_are_refused_before_compiling(tiny):
-    from dsa.profiler import profile_model
+    from dsa.tools.profiler import profile_model
 
     args = (tiny["manifest"], tiny["checkpoint"], tiny["target"])
     for bucket in ("prompt_len=32", {"dim": "prompt_len", "slot": 0}):
@@ -210,7 +210,7 @@ def test_bad_requests_are_refused_before_compiling(tiny):
 
 
 def test_loop_body_nodes_get_paths_from_their_parameters_and_neighbours():
-    from dsa.profiler import annotate_locations
+    from dsa.tools.profiler import annotate_locations
 
     module = Looped().eval()
     exported = torch.export.export(module, (torch.randn(1, 4), torch.tensor(3)), strict=False)

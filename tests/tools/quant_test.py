@@ -16,11 +16,12 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from dsa.compile import compile_module
-from dsa.export import export_model
-from dsa.fileio import sha256_file
-from dsa.params import build_params, read_archive_metadata
-from dsa.quant import dequantize, quantize_weight
+from dsa.stages.compile import compile_module
+from dsa.stages.export import export_model
+from dsa.core.fileio import sha256_file
+from dsa.runtime.policy import read_archive_metadata
+from dsa.stages.params import build_params
+from dsa.stages.quant import dequantize, quantize_weight
 
 SCHEMES = {
     "int8": ({"kind": "int8"}, 2e-2),

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from dsa.spec import ExportSpec, InputSpec
+from dsa.stages.spec import ExportSpec, InputSpec
 
 
 class Pooled(nn.Module):

@@ -9,18 +9,19 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from dsa.compile import compile_module
-from dsa.errors import DsaError
-from dsa.export import export_model
-from dsa.fileio import read_json, sha256_file
-from dsa.params import build_params, read_archive_metadata
+from dsa.stages.compile import compile_module
+from dsa.core.errors import DsaError
+from dsa.stages.export import export_model
+from dsa.core.fileio import read_json, sha256_file
+from dsa.runtime.policy import read_archive_metadata
+from dsa.stages.params import build_params
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, pi0_manifest):
     import copy
 
-    from dsa.manifest import project
+    from dsa.manifest.contract import project
 
     view = copy.deepcopy(project(pi0_manifest, "export"))
     view["model"] = {"entry_point": "tiny_models:pooled", "config": {"width": 8}}
@@ -173,7 +174,7 @@ def test_cli_reports_error_without_traceback(exported, tmp_path):
     (tmp_path / "view.json").write_text(json.dumps(view))
     (tmp_path / "rec.json").write_text(json.dumps(record))
     proc = subprocess.run(
-        [sys.executable, "-m", "dsa.params", "--checkpoint", str(ckpt), "--view", str(tmp_path / "view.json"),
+        [sys.executable, "-m", "dsa.stages.params", "--checkpoint", str(ckpt), "--view", str(tmp_path / "view.json"),
          "--record", str(tmp_path / "rec.json"), "--manifest-name", "manifests/tiny.yaml",
          "--out", str(tmp_path / "p.irpa")],
         capture_output=True, text=True, env={"PYTHONPATH": ":".join(sys.path)},

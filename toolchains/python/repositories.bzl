@@ -146,7 +146,7 @@ def _dsa_python_env_impl(rctx):
 
     identity = _run(
         rctx,
-        ["venv/bin/python", rctx.path(Label("//dsa:identity.py")), lock],
+        ["venv/bin/python", rctx.path(Label("//dsa:core/identity.py")), lock],
         "writing identity.json",
         environment = pip_env,
     )

@@ -3,19 +3,19 @@
 forward(tokens, state, steps) → actions [1, chunk_size, action_dim]
   * tokens [1, seq_len, token_dim] (float): seq_len is a dynamic dim, mean-pooled away;
   * state [1, state_dim];
-  * steps (0-d int64): how many refinement steps a `torch._higher_order_ops.while_loop` runs, so one
+  * steps (0-d int64): how many refinement steps the kept loop (dsa.stages.loops.kept_loop) runs, so one
     compiled module serves any step count.
 
-`export_spec(view, dims)` is the entry point the manifest names (see dsa.spec).
+`export_spec(view, dims)` is the entry point the manifest names (see dsa.stages.spec).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch._higher_order_ops.while_loop import while_loop
 
-from dsa.spec import ExportSpec, InputSpec
+from dsa.stages.loops import kept_loop
+from dsa.stages.spec import ExportSpec, InputSpec
 
 
 class TinyPolicy(nn.Module):
@@ -34,13 +34,7 @@ class TinyPolicy(nn.Module):
         context = self.token_in(tokens).mean(dim=1) + self.state_in(state)  # [1, hidden]
         start = torch.zeros(1, self.chunk * self.action_dim, dtype=torch.float32)
 
-        def cond(i, x):
-            return i < steps
-
-        def body(i, x):
-            return i + 1, x + 0.5 * self.refine(torch.cat([context, x], dim=-1))
-
-        _, x = while_loop(cond, body, (torch.zeros((), dtype=torch.int64), start))
+        x = kept_loop(steps, lambda i, x: x + 0.5 * self.refine(torch.cat([context, x], dim=-1)), start)
         return x.reshape(1, self.chunk, self.action_dim)
 
 

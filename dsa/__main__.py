@@ -1,0 +1,5 @@
+"""`python -m dsa COMMAND ...`: the rule set's one command (dsa/tools/cli.py)."""
+
+from dsa.tools.cli import main
+
+main()

@@ -1,0 +1,700 @@
+"""Deployment manifests: loading, validation and per-stage views.
+
+A manifest (see manifests/pi0.yaml and schema/manifest.schema.json) is the deployment contract of one policy.
+`load_manifest` parses it strictly (safe YAML, no duplicate keys, JSON-compatible values only), checks the
+schema version, validates it against the JSON schema and then checks what the schema cannot express. Every
+problem is reported as a `ManifestError` naming the file, line and field.
+
+Each pipeline stage reads only its own projection of the manifest (`project`), written as canonical JSON
+(`dump_json`), so Bazel reruns exactly the stages a changed field affects; `explain` lists which.
+
+Keys starting with `x-` are allowed in every mapping and ignored: they are dropped from the loaded manifest.
+
+Command line:
+    dsa manifest validate PATH [--known-targets-dir DIR] [--min-bucket DIM=N ...]
+    dsa manifest explain PATH
+    dsa manifest project PATH --view VIEW [--target T] [--bucket DIM:SLOT] --out FILE
+        [--known-targets-dir DIR] [--min-bucket DIM=N ...]
+Errors go to stderr, one line, exit status 2; `project` then leaves no file at --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import difflib
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+
+import yaml
+
+from dsa.core.fileio import write_json_atomic
+from jsonschema import Draft202012Validator, validators
+
+SCHEMA_PATH = Path(__file__).parent / "schema" / "manifest.schema.json"
+SCHEMA: Dict[str, Any] = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+# (major, minor, patch) of the schema this release reads.
+SCHEMA_VERSION: Tuple[int, int, int] = tuple(int(p) for p in SCHEMA["x-version"].split("."))
+EXTENSION_PREFIX = "x-"
+
+# View name → the stage that reads it.
+VIEWS: Dict[str, str] = {
+    "export": "exporting the policy to MLIR",
+    "params": "packing (and quantizing) the checkpoint into a parameter archive",
+    "compile": "compiling for one target",
+    "bucket": "compiling one bucket size of a dynamic dimension",
+    "runtime": "the runtime configuration shipped with the artifacts",
+}
+# View name → the top-level fields its projection reads (what `explain` reports).
+_VIEW_FIELDS: Dict[str, Tuple[str, ...]] = {
+    "export": (
+        "schema_version", "model_id", "framework", "model", "inputs", "outputs", "chunk_size", "buckets",
+        "quant_scheme",
+    ),
+    "params": ("model_id", "checkpoint", "quant_scheme"),
+    "compile": ("model_id", "quant_scheme", "targets"),
+    "bucket": ("buckets",),
+    "runtime": (
+        "model_id", "chunk_size", "n_action_steps", "flow_steps", "buckets", "power_profile", "normalization",
+        "inputs", "outputs",
+    ),
+}
+
+# Refuse documents whose aliases expand to more values than this (YAML "billion laughs").
+_MAX_VALUES = 100_000
+_SEMVER = re.compile(SCHEMA["properties"]["schema_version"]["pattern"])
+
+PathLike = Union[str, os.PathLike]
+FieldPath = Tuple[Union[str, int], ...]
+
+
+class ManifestError(Exception):
+    """A problem with a manifest, located as precisely as known.
+
+    `str()` is one line: `{file}:{line}: {field}: {message} ({hint})`; parts that are unknown (None or empty)
+    are left out, e.g. `{file}: {message}` for a file that is not YAML at all.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: Optional[str] = None,
+        line: Optional[int] = None,
+        field: Optional[str] = None,
+        hint: Optional[str] = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.file = file  # the manifest path as given
+        self.line = line  # 1-based
+        self.field = field  # dotted path with [i] list indices, e.g. "buckets.prompt_len[1]"
+        self.hint = hint  # what to do about it
+
+    def __str__(self) -> str:
+        where = ":".join(str(part) for part in (self.file, self.line) if part is not None)
+        text = ": ".join(part for part in (where, self.field, self.message) if part)
+        return f"{text} ({self.hint})" if self.hint else text
+
+
+def _format_field(path: Iterable[Union[str, int]]) -> str:
+    """("buckets", "prompt_len", 1) → "buckets.prompt_len[1]"."""
+    text = ""
+    for part in path:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else part
+    return text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# YAML
+
+
+_YAML_TAG_PREFIX = "tag:yaml.org,2002:"
+_SAFE_CONSTRUCTORS = yaml.SafeLoader.yaml_constructors
+
+
+def _construct_checked_scalar(loader: "_Loader", node: yaml.ScalarNode) -> Any:
+    """Constructs a null/bool/int/float, refusing values an explicit tag cannot hold and non-finite floats."""
+    kind = node.tag[len(_YAML_TAG_PREFIX):]
+    try:
+        value = _SAFE_CONSTRUCTORS[node.tag](loader, node)
+    except (ValueError, KeyError):
+        raise loader.problem(
+            node, f"{node.value!r} is not a valid {kind}", f"fix the value or drop the !!{kind} tag"
+        ) from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise loader.problem(node, f"non-finite number {node.value!r} is not allowed", "use a finite number")
+    return value
+
+
+def _refuse_tag(loader: "_Loader", node: yaml.Node) -> None:
+    tag = node.tag.replace(_YAML_TAG_PREFIX, "!!", 1) if node.tag.startswith(_YAML_TAG_PREFIX) else node.tag
+    raise loader.problem(
+        node,
+        f"YAML tag '{tag}' is not allowed",
+        "a manifest holds plain data only: strings, numbers, booleans, null, lists and mappings",
+    )
+
+
+class _Loader(yaml.SafeLoader):
+    """A SafeLoader that builds JSON-compatible data and records where every field is.
+
+    Differences from SafeLoader: only the null/bool/int/float/str/seq/map tags are constructed (anything else,
+    `!!python/...` included, is refused before construction); dates stay strings; NaN and infinities,
+    duplicate keys, non-string keys and recursive aliases are refused. `locate()` must run on the composed
+    node before `construct_document()`; it fills `lines` (field path → 1-based line of its key or list item).
+    """
+
+    yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != _YAML_TAG_PREFIX + "timestamp"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    yaml_constructors = {
+        _YAML_TAG_PREFIX + name: _SAFE_CONSTRUCTORS[_YAML_TAG_PREFIX + name] for name in ("str", "seq", "map")
+    }
+    yaml_constructors.update(
+        {_YAML_TAG_PREFIX + name: _construct_checked_scalar for name in ("null", "bool", "int", "float")}
+    )
+    yaml_constructors[None] = _refuse_tag
+
+    def __init__(self, text: str, source: str):
+        super().__init__(text)
+        self.source = source
+        self.lines: Dict[FieldPath, int] = {}
+        self._paths: Dict[int, FieldPath] = {}  # id(node) → field path of its first occurrence
+        self._sizes: Dict[int, int] = {}  # id(node) → number of values it expands to
+        self._open: set = set()  # id()s of the nodes being located (to catch recursive aliases)
+
+    def problem(
+        self, node: yaml.Node, message: str, hint: str, path: Optional[FieldPath] = None
+    ) -> ManifestError:
+        """A ManifestError located at `node` (and its field path, if known)."""
+        path = self._paths.get(id(node), ()) if path is None else path
+        return ManifestError(
+            message, file=self.source, line=node.start_mark.line + 1, field=_format_field(path), hint=hint
+        )
+
+    def locate(self, node: yaml.Node, path: FieldPath = ()) -> int:
+        """Records the field paths and lines under `node`, refusing bad keys; returns its expanded size."""
+        if id(node) in self._open:
+            raise self.problem(node, "recursive YAML alias", "a manifest cannot refer to itself", path)
+        if id(node) in self._sizes:
+            return self._sizes[id(node)]
+        self._paths[id(node)] = path
+        self._open.add(id(node))
+        size = 1
+        if isinstance(node, yaml.MappingNode):
+            first_line: Dict[str, int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == _YAML_TAG_PREFIX + "merge":
+                    size += self.locate(value_node, path)
+                    continue
+                line = key_node.start_mark.line + 1
+                name = self.construct_object(key_node) if isinstance(key_node, yaml.ScalarNode) else None
+                if not isinstance(name, str):
+                    raise self.problem(
+                        key_node, "field names must be strings", "write the key as a plain or quoted string", path
+                    )
+                field = path + (name,)
+                if name in first_line:
+                    raise self.problem(
+                        key_node,
+                        f"duplicate field '{name}' (first defined on line {first_line[name]})",
+                        "YAML would silently keep the last value; remove one of them",
+                        field,
+                    )
+                first_line[name] = line
+                self.lines[field] = line
+                size += self.locate(value_node, field)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self.lines[path + (i,)] = item.start_mark.line + 1
+                size += self.locate(item, path + (i,))
+        self._open.discard(id(node))
+        if size > _MAX_VALUES:
+            raise self.problem(
+                node, f"expands to over {_MAX_VALUES} values through YAML aliases", "remove the aliases", path
+            )
+        self._sizes[id(node)] = size
+        return size
+
+
+def _yaml_syntax_error(err: yaml.MarkedYAMLError, source: str) -> ManifestError:
+    """Words PyYAML's error as one line, located where the problem was noticed."""
+    where = err.problem_mark or err.context_mark
+    parts = [err.context, err.problem]
+    if err.context_mark and err.problem_mark and err.context_mark.line != err.problem_mark.line:
+        parts[0] = f"{err.context} (line {err.context_mark.line + 1})"
+    return ManifestError(
+        "invalid YAML: " + ", ".join(part for part in parts if part),
+        file=source,
+        line=where.line + 1 if where else None,
+        hint="check indentation and quoting",
+    )
+
+
+def _parse(path: PathLike) -> Tuple[Any, Dict[FieldPath, int]]:
+    """Reads and parses a manifest file; returns (document, field path → line)."""
+    source = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise ManifestError(f"cannot read manifest: {err.strerror}", file=source, hint="check the path") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ManifestError(
+            f"not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})",
+            file=source,
+            line=data.count(b"\n", 0, err.start) + 1,
+            hint="a manifest is a YAML text file; is this a binary file?",
+        ) from None
+    empty = ManifestError("manifest is empty", file=source, hint="see manifests/pi0.yaml for a complete manifest")
+    if not text.strip():
+        raise empty
+    try:
+        loader = _Loader(text, source)  # rejects non-printable characters up front
+    except yaml.reader.ReaderError as err:
+        raise ManifestError(
+            f"not a text file: control character 0x{err.character:02x}",
+            file=source,
+            line=text.count("\n", 0, err.position) + 1,
+            hint="a manifest is a YAML text file; is this a binary file?",
+        ) from None
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            raise empty
+        loader.locate(node)
+        document = loader.construct_document(node)
+    except yaml.MarkedYAMLError as err:
+        raise _yaml_syntax_error(err, source) from None
+    except RecursionError:
+        raise ManifestError("YAML nesting is too deep", file=source, hint="flatten the document") from None
+    finally:
+        loader.dispose()
+    if not isinstance(document, dict):
+        raise ManifestError(
+            f"the top level must be a mapping of fields, got {_show(document)}",
+            file=source,
+            line=node.start_mark.line + 1,
+            hint="see manifests/pi0.yaml for a complete manifest",
+        )
+    return document, loader.lines
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _strict_integer(checker: Any, instance: Any) -> bool:
+    """JSON Schema counts 16.0 as an integer; a manifest must write 16."""
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+_Validator = validators.extend(
+    Draft202012Validator, type_checker=Draft202012Validator.TYPE_CHECKER.redefine("integer", _strict_integer)
+)
+_VALIDATOR = _Validator(SCHEMA)
+# Validators whose failure means "this value is not what the schema describes".
+_VALUE_KEYWORDS = frozenset(
+    {"type", "enum", "minimum", "maximum", "pattern", "minLength", "minItems", "maxItems"}
+)
+
+
+def _show(value: Any) -> str:
+    """A value as an error message quotes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "an empty value"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return f"a list of {len(value)} entries" if value else "an empty list"
+    return repr(value)
+
+
+def _expected(schema: Mapping[str, Any]) -> str:
+    """What a (sub)schema accepts, in words."""
+    if "enum" in schema:
+        return "one of " + ", ".join(_show(v) for v in schema["enum"])
+    kind = schema.get("type")
+    if kind == "integer":
+        low, high = schema.get("minimum"), schema.get("maximum")
+        if high is not None:
+            return f"an integer from {low} to {high}"
+        return f"an integer >= {low}" if low is not None else "an integer"
+    if kind == "string":
+        if "pattern" in schema:
+            return f"a string matching {schema['pattern']}"
+        return "a non-empty string" if schema.get("minLength") else "a string"
+    if kind == "array":
+        low, high = schema.get("minItems", 0), schema.get("maxItems")
+        if high is not None:
+            return f"a list of {low} entries" if low == high else f"a list of {low} to {high} entries"
+        return "a non-empty list" if low else "a list"
+    if kind == "object":
+        return "a mapping"
+    return f"a {kind}"
+
+
+def _error_order(error: Any) -> tuple:
+    """Sort key for schema errors: by field path, then validator (deterministic, list indices numerically)."""
+    return tuple((isinstance(p, str), p) for p in error.absolute_path), error.validator, error.message
+
+
+def _describe(error: Any) -> Tuple[FieldPath, str, Optional[str]]:
+    """Translates a jsonschema error into (field path, message, hint)."""
+    path = tuple(error.absolute_path)
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    description = schema.get("description")
+    instance = error.instance
+    if len(error.schema_path) >= 2 and error.schema_path[-2] == "propertyNames":
+        return path + (instance,), f"invalid name {instance!r}: expected {_expected(schema)}", description
+    if error.validator == "required":
+        missing = next(name for name in error.validator_value if name not in instance)
+        prop = schema.get("properties", {}).get(missing, {})
+        return path + (missing,), "missing required field", prop.get("description", description)
+    if error.validator == "additionalProperties":
+        known = list(schema.get("properties", {}))
+        name = next(k for k in instance if k not in known and not k.startswith(EXTENSION_PREFIX))
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else (
+            f"remove it; extension fields must start with '{EXTENSION_PREFIX}'"
+        )
+        return path + (name,), f"unknown field '{name}'", hint
+    if error.validator == "uniqueItems":
+        index = next(i for i, item in enumerate(instance) if item in instance[:i])
+        return path + (index,), f"duplicate entry {_show(instance[index])}", description
+    if error.validator == "not" and list(error.validator_value) == ["required"]:
+        return path + (error.validator_value["required"][0],), "field not allowed here", description
+    if error.validator == "enum" and instance in schema.get("x-reserved", ()):
+        return path, f"{_show(instance)} is reserved and not yet supported", f"use {_expected(schema)}"
+    if error.validator in _VALUE_KEYWORDS:
+        return path, f"expected {_expected(schema)}, got {_show(instance)}", description
+    return path, error.message, description
+
+
+def _check_version(document: Mapping[str, Any], source: str, lines: Mapping[FieldPath, int]) -> Optional[str]:
+    """Refuses an unsupported major version; returns a note when the minor version is newer than ours."""
+    version = document.get("schema_version")
+    if not (isinstance(version, str) and _SEMVER.match(version)):
+        return None  # missing or malformed: the schema reports it
+    major, minor, _ = (int(p) for p in version.split("."))
+    if major != SCHEMA_VERSION[0]:
+        raise ManifestError(
+            f"unsupported schema_version '{version}': this release reads schema_version {SCHEMA_VERSION[0]}.x",
+            file=source,
+            line=lines.get(("schema_version",)),
+            field="schema_version",
+            hint=f"use a rules_dsa release that reads {major}.x, or rewrite the manifest "
+            f"for {SCHEMA_VERSION[0]}.x",
+        )
+    if minor > SCHEMA_VERSION[1]:
+        return (
+            f"the manifest declares schema_version {version}, newer than the "
+            f"{SCHEMA_VERSION[0]}.{SCHEMA_VERSION[1]} this release reads"
+        )
+    return None
+
+
+def _strip_extensions(value: Any) -> Any:
+    """Drops every `x-` key, at any depth."""
+    if isinstance(value, dict):
+        return {k: _strip_extensions(v) for k, v in value.items() if not k.startswith(EXTENSION_PREFIX)}
+    if isinstance(value, list):
+        return [_strip_extensions(v) for v in value]
+    return value
+
+
+def _semantic_problems(
+    manifest: Mapping[str, Any],
+    known_targets: Optional[Iterable[str]],
+    min_bucket: Optional[Mapping[str, int]],
+) -> Iterator[Tuple[FieldPath, str, str]]:
+    """Yields (field path, message, hint) for what the schema cannot express, in manifest order."""
+    model = manifest["model"]
+    if manifest["framework"] == "lerobot" and "policy_config" not in model:
+        yield (
+            ("model",),
+            "framework 'lerobot' needs model.policy_config (the policy's config.json and its sha256)",
+            "add model.policy_config: {path: config.json, sha256: ...}, the file next to model.safetensors",
+        )
+    if manifest["framework"] != "lerobot":
+        for field in ("policy_config", "denoising_loop"):
+            if field in model:
+                yield (
+                    ("model", field),
+                    f"model.{field} is read only for framework 'lerobot' (this manifest's: "
+                    f"'{manifest['framework']}')",
+                    f"remove model.{field}, or set framework: lerobot",
+                )
+    inputs = manifest["inputs"]
+    first_camera: Dict[str, int] = {}
+    for i, camera in enumerate(inputs["cameras"]):
+        name = camera["name"]
+        if name in first_camera:
+            yield (
+                ("inputs", "cameras", i, "name"),
+                f"duplicate camera name '{name}' (also inputs.cameras[{first_camera[name]}].name)",
+                "camera names must be unique; rename one",
+            )
+        first_camera.setdefault(name, i)
+    prompt = inputs.get("prompt")
+    if prompt is not None and prompt["pad_id"] >= prompt["vocab_size"]:
+        yield (
+            ("inputs", "prompt", "pad_id"),
+            f"pad_id {prompt['pad_id']} is not below vocab_size {prompt['vocab_size']}",
+            "pad_id must be a token id the embedding accepts",
+        )
+    if manifest["n_action_steps"] > manifest["chunk_size"]:
+        yield (
+            ("n_action_steps",),
+            f"n_action_steps {manifest['n_action_steps']} exceeds chunk_size {manifest['chunk_size']}",
+            "the runtime executes at most one chunk per inference call; lower n_action_steps or raise chunk_size",
+        )
+    for dim, sizes in manifest["buckets"].items():
+        minimum = (min_bucket or {}).get(dim)
+        for i, size in enumerate(sizes):
+            if i > 0 and size <= sizes[i - 1]:
+                yield (
+                    ("buckets", dim, i),
+                    f"bucket {size} is not larger than the previous bucket {sizes[i - 1]}",
+                    "bucket sizes must be strictly increasing: sort them and drop duplicates",
+                )
+            if minimum is not None and size < minimum:
+                yield (
+                    ("buckets", dim, i),
+                    f"bucket {size} is below the model's minimum {minimum} for {dim}",
+                    f"the model cannot be exported with {dim} < {minimum}; raise or remove this bucket",
+                )
+    if known_targets is not None:
+        known = sorted(set(known_targets))
+        for i, target in enumerate(manifest["targets"]):
+            if target not in known:
+                yield (
+                    ("targets", i),
+                    f"unknown target '{target}'; known targets: {', '.join(known) or 'none'}",
+                    "targets are defined in toolchains/targets/<name>.json; add one there or use a known target",
+                )
+
+
+def load_manifest(
+    path: PathLike,
+    *,
+    known_targets: Optional[Iterable[str]] = None,
+    min_bucket: Optional[Mapping[str, int]] = None,
+) -> Dict[str, Any]:
+    """Loads and validates a manifest; returns it as plain JSON data with `x-` keys removed.
+
+    known_targets: the target names that exist (toolchains/targets/); when given, every manifest target
+        must be one of them.
+    min_bucket: dynamic dim name → the smallest size the model can be exported at (its ExportSpec's
+        dim_minimums); buckets below it are refused.
+    Raises ManifestError on the first problem found.
+    """
+    source = str(path)
+    document, lines = _parse(path)
+    newer_minor_note = _check_version(document, source, lines)
+
+    def fail(field: FieldPath, message: str, hint: Optional[str]) -> ManifestError:
+        line = next((lines[field[:n]] for n in range(len(field), 0, -1) if field[:n] in lines), None)
+        return ManifestError(message, file=source, line=line, field=_format_field(field), hint=hint)
+
+    errors = sorted(_VALIDATOR.iter_errors(document), key=_error_order)
+    if errors:
+        field, message, hint = _describe(errors[0])
+        if newer_minor_note:
+            message += f"; {newer_minor_note}"
+        raise fail(field, message, hint)
+    manifest = _strip_extensions(document)
+    for field, message, hint in _semantic_problems(manifest, known_targets, min_bucket):
+        raise fail(field, message, hint)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Views
+
+
+def project(
+    manifest: Mapping[str, Any],
+    view: str,
+    *,
+    target: Optional[str] = None,
+    bucket: Optional[Tuple[str, int]] = None,
+) -> Dict[str, Any]:
+    """The projection of a loaded manifest that one stage reads (see VIEWS).
+
+    target: required by, and only allowed for, the "compile" view; must be one of the manifest's targets.
+    bucket: (dim name, slot index), required by, and only allowed for, the "bucket" view.
+    Raises ValueError for a misuse (unknown view, missing or extra target/bucket) and ManifestError when the
+    manifest lacks the requested target or bucket.
+    """
+    if view not in VIEWS:
+        raise ValueError(f"unknown view {view!r}; views: {', '.join(VIEWS)}")
+    if (target is not None) != (view == "compile"):
+        raise ValueError("the compile view, and only it, takes a target")
+    if (bucket is not None) != (view == "bucket"):
+        raise ValueError("the bucket view, and only it, takes a bucket (dim, slot)")
+    m = manifest
+    if view == "export":
+        result = {
+            "schema_major": int(m["schema_version"].split(".")[0]),
+            "model_id": m["model_id"],
+            "framework": m["framework"],
+            "model": m["model"],
+            "inputs": m["inputs"],
+            "outputs": m["outputs"],
+            "chunk_size": m["chunk_size"],
+            "bucket_dims": sorted(m["buckets"]),
+            # Quantisation reshapes the exported graph (packed weights, in-graph dequantisation).
+            "quant_scheme": m["quant_scheme"],
+        }
+    elif view == "params":
+        result = {"model_id": m["model_id"], "checkpoint": m["checkpoint"], "quant_scheme": m["quant_scheme"]}
+    elif view == "compile":
+        if target not in m["targets"]:
+            raise ManifestError(
+                f"target '{target}' is not one of the manifest's targets ({', '.join(m['targets'])})",
+                field="targets",
+                hint="add it to targets, or compile for a listed one",
+            )
+        result = {"model_id": m["model_id"], "quant_scheme": m["quant_scheme"], "target": target}
+    elif view == "bucket":
+        dim, slot = bucket
+        if dim not in m["buckets"]:
+            raise ManifestError(
+                f"no buckets for dim '{dim}'; bucketed dims: {', '.join(sorted(m['buckets'])) or 'none'}",
+                field="buckets",
+                hint=f"add buckets.{dim}, or pick a bucketed dim",
+            )
+        sizes = m["buckets"][dim]
+        if not 0 <= slot < len(sizes):
+            raise ManifestError(
+                f"no bucket slot {slot}: the manifest lists {len(sizes)} buckets for {dim}",
+                field=f"buckets.{dim}",
+                hint=f"use a slot from 0 to {len(sizes) - 1}",
+            )
+        result = {"dim": dim, "slot": slot, "size": sizes[slot], "count": len(sizes)}
+    else:
+        result = {
+            "model_id": m["model_id"],
+            "chunk_size": m["chunk_size"],
+            "n_action_steps": m["n_action_steps"],
+            "flow_steps": m["flow_steps"],
+            "buckets": m["buckets"],
+            "power_profile": m["power_profile"],
+            "normalization": m.get("normalization"),
+            "inputs": m["inputs"],
+            "outputs": m["outputs"],
+        }
+    return copy.deepcopy(result)
+
+
+def explain(manifest: Mapping[str, Any]) -> List[Tuple[str, List[str]]]:
+    """For each top-level field of the manifest, in schema order: the views (stages) a change to it affects."""
+    return [
+        (field, [view for view, fields in _VIEW_FIELDS.items() if field in fields])
+        for field in SCHEMA["properties"]
+        if field in manifest
+    ]
+
+
+def dump_json(obj: Any, path: PathLike) -> None:
+    """Writes `obj` as canonical JSON (sorted keys, 2-space indent, UTF-8, trailing newline), atomically."""
+    write_json_atomic(path, obj)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def _known_targets_dir(value: str) -> List[str]:
+    directory = Path(value)
+    if not directory.is_dir():
+        raise argparse.ArgumentTypeError(f"not a directory: {value}")
+    return sorted(p.stem for p in directory.glob("*.json"))
+
+
+def _min_bucket(value: str) -> Tuple[str, int]:
+    dim, sep, size = value.partition("=")
+    if not (sep and dim and size.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected DIM=N, got {value!r}")
+    return dim, int(size)
+
+
+def _bucket(value: str) -> Tuple[str, int]:
+    dim, sep, slot = value.partition(":")
+    if not (sep and dim and slot.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected DIM:SLOT, got {value!r}")
+    return dim, int(slot)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsa manifest", description="Validate and project manifests.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    checks = argparse.ArgumentParser(add_help=False)
+    checks.add_argument(
+        "--known-targets-dir", type=_known_targets_dir, metavar="DIR",
+        help="directory of target definitions (<name>.json); the manifest's targets must be among them",
+    )
+    checks.add_argument(
+        "--min-bucket", type=_min_bucket, action="append", default=[], metavar="DIM=N",
+        help="smallest size the model accepts for a dynamic dim (repeatable)",
+    )
+    validate = commands.add_parser("validate", parents=[checks], help="check a manifest")
+    validate.add_argument("manifest")
+    explain_ = commands.add_parser("explain", help="list the views each top-level field affects")
+    explain_.add_argument("manifest")
+    project_ = commands.add_parser("project", parents=[checks], help="write one view as canonical JSON")
+    project_.add_argument("manifest")
+    project_.add_argument("--view", required=True, choices=list(VIEWS))
+    project_.add_argument("--target", help="target name (compile view)")
+    project_.add_argument("--bucket", type=_bucket, metavar="DIM:SLOT", help="bucket slot (bucket view)")
+    project_.add_argument("--out", required=True, help="output JSON file")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    out = Path(args.out) if args.command == "project" else None
+    try:
+        if args.command == "explain":
+            for field, views in explain(load_manifest(args.manifest)):
+                print(f"{field}: {', '.join(views)}")
+            return 0
+        manifest = load_manifest(
+            args.manifest, known_targets=args.known_targets_dir, min_bucket=dict(args.min_bucket)
+        )
+        if args.command == "validate":
+            print(f"{args.manifest}: ok")
+            return 0
+        try:
+            view = project(manifest, args.view, target=args.target, bucket=args.bucket)
+        except ValueError as err:
+            out.unlink(missing_ok=True)
+            parser.error(str(err))
+        dump_json(view, out)
+        return 0
+    except ManifestError as err:
+        if err.file is None:
+            err.file = args.manifest
+        if out is not None:
+            out.unlink(missing_ok=True)
+        print(err, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,957 @@
+"""DsaBundle: one compiled policy for one target as a single, deterministic, verifiable release archive.
+
+    bin/dsa bundle create --lock L --manifest M --runtime-view R --target-spec T --params P \\
+        --module NAME=VMFB,EXPORT_RECORD,COMPILE_REPORT ... --out NAME.tar [--digest NAME.sha256]
+    bin/dsa bundle create --index out/pi0/x86_64-v3.modules.json --manifest manifests/pi0.yaml \\
+        --target-spec toolchains/targets/x86_64-v3.json --out pi0_bundle.tar    # from dsa compile's output
+    bin/dsa bundle create --pipeline bazel-bin/models/groot.pipeline.json \\
+        --stage-manifest groot_backbone=manifests/groot_backbone.yaml \\
+        --stage-manifest groot_head=manifests/groot_head.yaml --out groot_bundle.tar   # a linked pipeline
+    bin/dsa bundle verify NAME.tar          # every check `dsa run --bundle` makes, then a summary
+    bin/dsa bundle list NAME.tar            # the files, their sizes and digests
+    dsa bundle release NAME.tar DEST    # verify, then copy NAME.tar and NAME.sha256 into DEST
+
+The archive is a plain tar (GNU format, no compression) whose members are sorted by name and carry fixed
+metadata (mtime, owner, mode), so the same inputs give the same bytes in any checkout, on any machine. Its
+layout, format 1, is specified in docs/bundle-format.md: the vmfbs with their export records and compile
+reports, the parameter archive, the manifest and its runtime view, the target spec, the recipe lock
+(`lock.json`), a build report, an in-toto/SLSA provenance statement and `bundle.json` (format, identity,
+the digest and size of every other file, and the module index relative to the bundle root).
+
+A pipeline bundle (`dsa_bundle(pipeline = ...)`, "Pipeline bundles" in docs/bundle-format.md) holds several
+linked models: each stage's files as above, named `<stage>.<file>`, the link (`link.json`) and the pipeline
+index (`pipeline.json`); bundle.json says `"kind": "pipeline"` and lists the stages.
+
+A reader refuses, with one message naming what failed: an archive whose sha256 differs from the
+`NAME.sha256` beside it, a truncated or padded archive, members that are not plain files with plain names,
+a bundle format it does not read, and any file whose digest or size differs from bundle.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+from dsa.core.errors import DsaError, run_cli
+from dsa.core.fileio import atomic_output, canonical_json, read_json, sha256_file
+from dsa.core.formats import INDEX_FORMAT, LINK_FORMAT, LOCK_FORMAT, PIPELINE_INDEX_FORMAT
+from dsa.runtime.policy import read_module_index
+
+BUNDLE_FORMAT = 1
+BUILD_REPORT_FORMAT = 1
+
+# Fixed member metadata. The mtime is rules_pkg's "portable" 2000-01-01T00:00:00Z: a constant that every
+# tar implementation extracts without a warning (0, the epoch, draws "implausibly old time stamp").
+MTIME = 946684800
+FILE_MODE = 0o644
+TAR_FORMAT = tarfile.GNU_FORMAT  # no pax headers (they would carry times); base-256 sizes past 8 GiB
+BLOCK = tarfile.BLOCKSIZE
+RECORD = tarfile.RECORDSIZE
+
+BUNDLE_JSON = "bundle.json"
+LOCK_JSON = "lock.json"
+INDEX_JSON = "modules.json"
+BUILD_REPORT_JSON = "build_report.json"
+PROVENANCE_JSON = "provenance.intoto.json"
+MANIFEST_YAML = "manifest.yaml"
+RUNTIME_VIEW_JSON = "runtime_view.json"
+TARGET_SPEC_JSON = "target_spec.json"
+PARAMS_IRPA = "params.irpa"
+
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+PREDICATE_TYPE = "https://slsa.dev/provenance/v1"
+# Identifies the structure of externalParameters/internalParameters; documented in docs/bundle-format.md.
+BUILD_TYPE = "https://rules-dsa.invalid/dsa_bundle/v1"
+BUILDER_ID = "https://rules-dsa.invalid/dsa_bundle"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+_DIGEST_LINE = re.compile(r"^([0-9a-f]{64})  (\S.*)$")
+
+
+@dataclasses.dataclass
+class ModuleInput:
+    """One compiled module to bundle: its vmfb with the export record and compile report it came with."""
+
+    name: str  # e.g. prompt_len_0; the bundle stores NAME.vmfb, NAME.export_record.json, NAME.compile_report.json
+    vmfb: Path
+    export_record: Path
+    compile_report: Path
+
+
+def digest_line(sha256: str, basename: str) -> str:
+    """The `.sha256` file's one line, in `sha256sum` form: `<hex>  <basename>`."""
+    return f"{sha256}  {basename}\n"
+
+
+def sidecar_path(archive: Path) -> Path:
+    """Where the digest of `archive` lives: NAME.sha256 beside NAME.tar."""
+    archive = Path(archive)
+    return archive.with_name((archive.name[:-len(".tar")] if archive.name.endswith(".tar") else archive.name)
+                             + ".sha256")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Writing
+
+
+def _json_bytes(obj) -> bytes:
+    return canonical_json(obj).encode("utf-8")
+
+
+def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = MTIME
+    info.mode = FILE_MODE
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.type = tarfile.REGTYPE
+    return info
+
+
+def _check_same(what: str, where: str, expected: Optional[str], actual: str, hint: str) -> None:
+    if expected is not None and expected != actual:
+        raise DsaError(where, f"{what} is {actual}, but the lock records {expected}", hint)
+
+
+def _build_report(lock: dict, records: Dict[str, dict], reports: Dict[str, dict], sizes: Dict[str, int],
+                  digests: Dict[str, str]) -> dict:
+    modules = []
+    for name in sorted(records):
+        record, report = records[name], reports[name]
+        histogram = record.get("op_histogram", {})
+        tools = dict(record.get("toolchain", {}))
+        if "iree_base_compiler" in report:
+            tools["iree-base-compiler"] = report["iree_base_compiler"]
+        modules.append({
+            "name": name,
+            "function": record.get("function"),
+            "bucket": record.get("bucket"),
+            "export": {
+                "op_histogram": dict(sorted(histogram.items())),
+                "op_count": sum(histogram.values()),
+                "parameter_count": record.get("parameter_count"),
+                "parameters_read": len(record.get("parameters", [])),
+                "mlir_sha256": record.get("mlir_sha256"),
+            },
+            "compile": {
+                "flags": report.get("flags", []),
+                "dispatch_count": report.get("dispatch_count"),
+                "executable_count": report.get("executable_count"),
+                "runtime_driver": report.get("runtime_driver"),
+            },
+            "sizes": {"vmfb_bytes": sizes[f"{name}.vmfb"]},
+            "tool_versions": dict(sorted(tools.items())),
+        })
+    toolchain = lock.get("toolchain", {})
+    return {
+        "format": BUILD_REPORT_FORMAT,
+        "model_id": lock["model_id"],
+        "target": lock["target"],
+        "toolchain": {
+            "lock_sha256": toolchain.get("lock_sha256"),
+            "python_version": toolchain.get("python_version"),
+            "installed": toolchain.get("installed", []),
+        },
+        "parameters": {"file": PARAMS_IRPA, "bytes": sizes[PARAMS_IRPA], "sha256": digests[PARAMS_IRPA]},
+        "modules": modules,
+        "sizes": {
+            "vmfb_bytes_total": sum(m["sizes"]["vmfb_bytes"] for m in modules),
+            "params_bytes": sizes[PARAMS_IRPA],
+        },
+    }
+
+
+def _provenance(lock: dict, subjects: Dict[str, str], manifest_source: str, bundle_name: Optional[str]) -> dict:
+    """An in-toto Statement v1 with a SLSA provenance v1 predicate. Deliberately without
+    runDetails.metadata (invocation id, start and finish times): they would make every build unique."""
+
+    def dep(name: str, sha256: str, role: str, **annotations) -> dict:
+        return {"name": name, "digest": {"sha256": sha256}, "annotations": dict(role=role, **annotations)}
+
+    toolchain = lock.get("toolchain", {})
+    deps = [
+        dep(manifest_source, lock["manifest"]["sha256"], "manifest"),
+        dep("checkpoint", lock["checkpoint"]["sha256"], "checkpoint"),
+        dep(f"target_spec/{lock['target']}.json", lock["target_spec"]["sha256"], "target_spec"),
+        dep("requirements_lock.txt", toolchain.get("lock_sha256", ""), "toolchain_lock",
+            python_version=toolchain.get("python_version"), installed=toolchain.get("installed", [])),
+    ]
+    deps += [dep(path, sha, "model_source") for path, sha in sorted(lock.get("model_sources", {}).items())]
+    deps += [dep(path, sha, "tool_source") for path, sha in sorted(lock.get("tool_sources", {}).items())]
+    external = {"model_id": lock["model_id"], "target": lock["target"], "manifest": manifest_source}
+    if bundle_name:
+        external["bundle"] = bundle_name
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": [{"name": name, "digest": {"sha256": sha}} for name, sha in sorted(subjects.items())],
+        "predicateType": PREDICATE_TYPE,
+        "predicate": {
+            "buildDefinition": {
+                "buildType": BUILD_TYPE,
+                "externalParameters": external,
+                "internalParameters": {
+                    "target_flags": lock["target_spec"].get("flags", []),
+                    "modules": [{"name": m["name"], "flags": m.get("flags", [])} for m in lock.get("modules", [])],
+                },
+                "resolvedDependencies": deps,
+            },
+            "runDetails": {"builder": {"id": BUILDER_ID, "version": {"bundle_format": str(BUNDLE_FORMAT)}}},
+        },
+    }
+
+
+@dataclasses.dataclass
+class _Stage:
+    """One model's files as a bundle holds them (names relative to the model's part of the bundle)."""
+
+    lock: dict
+    payload: Dict[str, Path]
+    records: Dict[str, dict]
+    reports: Dict[str, dict]
+    digests: Dict[str, str]
+    sizes: Dict[str, int]
+    index: dict
+
+
+def _collect(*, lock: Path, manifest: Path, runtime_view: Path, target_spec: Path, params: Path,
+             modules: Sequence[ModuleInput]) -> _Stage:
+    """Reads one model's files and checks them against its lock (so a bundle's lock always describes its own
+    files); returns them with their digests, sizes and module index."""
+    lock_path = Path(lock)
+    lock_data = read_json(lock_path)
+    if lock_data.get("format") != LOCK_FORMAT:
+        raise DsaError(str(lock_path), f"recipe lock format {lock_data.get('format')} is not supported",
+                       f"this release bundles lock format {LOCK_FORMAT}")
+    if not modules:
+        raise DsaError("dsa-bundle", "no modules to bundle", "pass at least one --module")
+
+    payload: Dict[str, Path] = {
+        LOCK_JSON: lock_path,
+        MANIFEST_YAML: Path(manifest),
+        RUNTIME_VIEW_JSON: Path(runtime_view),
+        TARGET_SPEC_JSON: Path(target_spec),
+        PARAMS_IRPA: Path(params),
+    }
+    records: Dict[str, dict] = {}
+    reports: Dict[str, dict] = {}
+    for m in modules:
+        if not _NAME.match(m.name) or m.name in records:
+            raise DsaError("dsa-bundle", f"module name '{m.name}' is not a plain, unique file name",
+                           "name modules with letters, digits, '_', '.', '-'")
+        payload[f"{m.name}.vmfb"] = Path(m.vmfb)
+        payload[f"{m.name}.export_record.json"] = Path(m.export_record)
+        payload[f"{m.name}.compile_report.json"] = Path(m.compile_report)
+        records[m.name] = read_json(m.export_record)
+        reports[m.name] = read_json(m.compile_report)
+
+    digests = {name: sha256_file(path) for name, path in payload.items()}
+    sizes = {name: path.stat().st_size for name, path in payload.items()}
+
+    # The lock must describe exactly these files.
+    where = str(lock_path)
+    rebuild = "rebuild the bundle from one consistent build (the lock and the files come from different builds)"
+    _check_same("the manifest's sha256", where, lock_data["manifest"]["sha256"], digests[MANIFEST_YAML], rebuild)
+    _check_same("the target spec's sha256", where, lock_data["target_spec"]["sha256"], digests[TARGET_SPEC_JSON],
+                f"pass --target-spec toolchains/targets/{lock_data.get('target')}.json, the spec file the lock "
+                "was made from")
+    _check_same("the runtime view's sha256", where, lock_data.get("views", {}).get("runtime"),
+                digests[RUNTIME_VIEW_JSON], rebuild)
+    for name, sha in lock_data.get("artifacts", {}).items():
+        if name in digests:
+            _check_same(f"{name}'s sha256", where, sha, digests[name], rebuild)
+    locked = sorted(m["name"] for m in lock_data.get("modules", []))
+    if locked != sorted(records):
+        raise DsaError(where, f"locks modules {locked}, but the bundle is given {sorted(records)}", rebuild)
+    for name, record in records.items():
+        if record.get("model_id") != lock_data["model_id"]:
+            raise DsaError(f"{name}.export_record.json", f"is for model '{record.get('model_id')}', the lock "
+                           f"for '{lock_data['model_id']}'", rebuild)
+
+    scopes = {r.get("parameter_scope", "model") for r in records.values()}
+    if len(scopes) != 1:
+        raise DsaError("dsa-bundle", f"modules use different parameter scopes {sorted(scopes)}",
+                       "bundle modules of one model")
+    index = {
+        "format": INDEX_FORMAT,
+        "target": lock_data["target"],
+        "parameter_archive": PARAMS_IRPA,
+        "parameter_scope": scopes.pop(),
+        "runtime_view": RUNTIME_VIEW_JSON,
+        "target_spec": TARGET_SPEC_JSON,
+        "modules": [{"vmfb": f"{name}.vmfb", "record": f"{name}.export_record.json"} for name in sorted(records)],
+    }
+    return _Stage(lock_data, payload, records, reports, digests, sizes, index)
+
+
+def _write_archive(out: Path, payload: Dict[str, Path], generated: Dict[str, bytes], sizes: Dict[str, int],
+                   digest_out: Optional[Path]) -> str:
+    names = sorted(set(payload) | set(generated))
+    with atomic_output(out) as tmp:
+        with open(tmp, "wb") as raw:
+            with tarfile.open(fileobj=raw, mode="w", format=TAR_FORMAT) as tar:
+                for name in names:
+                    if name in generated:
+                        data = generated[name]
+                        tar.addfile(_tarinfo(name, len(data)), io.BytesIO(data))
+                    else:
+                        with open(payload[name], "rb") as f:
+                            tar.addfile(_tarinfo(name, sizes[name]), f)
+    sha = sha256_file(out)
+    digest_out = Path(digest_out) if digest_out else sidecar_path(out)
+    with atomic_output(digest_out) as tmp:
+        tmp.write_text(digest_line(sha, out.name), encoding="utf-8")
+    return sha
+
+
+def create_bundle(
+    out: Path,
+    *,
+    lock: Path,
+    manifest: Path,
+    runtime_view: Path,
+    target_spec: Path,
+    params: Path,
+    modules: Sequence[ModuleInput],
+    manifest_source: Optional[str] = None,
+    digest_out: Optional[Path] = None,
+) -> str:
+    """Writes the bundle archive `out` (and `digest_out`, default NAME.sha256 beside it); returns its sha256.
+
+    The result depends only on the contents of the inputs and on `manifest_source` (the manifest's
+    repository-relative name, recorded in bundle.json and the provenance), never on where the inputs are.
+    Refuses inputs that disagree with the lock (so a bundle's lock always describes its own files)."""
+    out = Path(out)
+    stage = _collect(lock=lock, manifest=manifest, runtime_view=runtime_view, target_spec=target_spec,
+                     params=params, modules=modules)
+    lock_data, payload, digests, sizes, index = stage.lock, stage.payload, stage.digests, stage.sizes, stage.index
+    manifest_source = manifest_source or Path(manifest).name
+    generated: Dict[str, bytes] = {
+        INDEX_JSON: _json_bytes(index),
+        BUILD_REPORT_JSON: _json_bytes(_build_report(lock_data, stage.records, stage.reports, sizes, digests)),
+    }
+    for name, data in generated.items():
+        digests[name], sizes[name] = hashlib.sha256(data).hexdigest(), len(data)
+    bundle_name = out.name[:-len(".tar")] if out.name.endswith(".tar") else out.name
+    provenance = _json_bytes(_provenance(lock_data, digests, manifest_source, bundle_name))
+    generated[PROVENANCE_JSON] = provenance
+    digests[PROVENANCE_JSON], sizes[PROVENANCE_JSON] = hashlib.sha256(provenance).hexdigest(), len(provenance)
+
+    meta = {
+        "format": BUNDLE_FORMAT,
+        "model_id": lock_data["model_id"],
+        "target": lock_data["target"],
+        "manifest": MANIFEST_YAML,
+        "manifest_source": manifest_source,
+        "lock": LOCK_JSON,
+        "build_report": BUILD_REPORT_JSON,
+        "provenance": PROVENANCE_JSON,
+        "index_file": INDEX_JSON,
+        "index": index,
+        "files": {name: {"sha256": digests[name], "size": sizes[name]} for name in sorted(digests)},
+    }
+    generated[BUNDLE_JSON] = _json_bytes(meta)
+    return _write_archive(out, payload, generated, sizes, digest_out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pipeline bundles: several models linked by dsa_pipeline (docs/bundle-format.md, "Pipeline bundles")
+
+LINK_JSON = "link.json"
+PIPELINE_JSON = "pipeline.json"
+
+
+@dataclasses.dataclass
+class StageInput:
+    """One stage of a pipeline bundle: create_bundle's inputs for one model, under the stage's name."""
+
+    name: str  # the stage name link.json uses; the stage's members are `<name>.<member>`
+    lock: Path
+    manifest: Path
+    runtime_view: Path
+    target_spec: Path
+    params: Path
+    modules: Sequence[ModuleInput]
+    manifest_source: Optional[str] = None
+
+
+def _prefixed_index(index: dict, prefix: str) -> dict:
+    out = dict(index)
+    for key in ("parameter_archive", "runtime_view", "target_spec"):
+        out[key] = prefix + index[key]
+    out["modules"] = [{"vmfb": prefix + m["vmfb"], "record": prefix + m["record"]} for m in index["modules"]]
+    return out
+
+
+def create_pipeline_bundle(out: Path, *, link: Path, stages: Sequence[StageInput],
+                           digest_out: Optional[Path] = None) -> str:
+    """Writes a pipeline bundle: every stage's files as create_bundle would bundle them, each member named
+    `<stage>.<member>`, plus the link (`link.json`) and the pipeline index (`pipeline.json`); returns its sha256.
+
+    Refuses stages that disagree with the link (names, order, export records): the bundle's link describes
+    the bundle's own modules."""
+    out = Path(out)
+    link_path = Path(link)
+    link_data = read_json(link_path)
+    if not isinstance(link_data, dict) or link_data.get("format") != LINK_FORMAT:
+        raise DsaError(str(link_path), "is not a link this release bundles", f"link format {LINK_FORMAT}")
+    names = [s.name for s in stages]
+    linked = [s["name"] for s in link_data["stages"]]
+    if names != linked:
+        raise DsaError(str(link_path), f"links stages {linked}, but the bundle is given {names}",
+                       "bundle the stages of this link, in its order")
+    payload: Dict[str, Path] = {LINK_JSON: link_path}
+    generated: Dict[str, bytes] = {}
+    collected: List[Tuple[StageInput, _Stage, dict]] = []
+    for stage, linked_stage in zip(stages, link_data["stages"]):
+        if not _NAME.match(stage.name):
+            raise DsaError("dsa-bundle", f"stage name '{stage.name}' is not a plain file name")
+        c = _collect(lock=stage.lock, manifest=stage.manifest, runtime_view=stage.runtime_view,
+                     target_spec=stage.target_spec, params=stage.params, modules=stage.modules)
+        records = [c.digests[f"{m['record']}"] for m in c.index["modules"]]
+        if sorted(records) != sorted(linked_stage["export_records"]):
+            raise DsaError(str(link_path), f"stage {stage.name}: the link was checked against other export "
+                           "records than the bundle's", "rebuild the pipeline and the bundle from one build")
+        prefix = stage.name + "."
+        for name, path in c.payload.items():
+            payload[prefix + name] = path
+        index = _prefixed_index(c.index, prefix)
+        generated[prefix + INDEX_JSON] = _json_bytes(index)
+        collected.append((stage, c, index))
+
+    targets = sorted({c.lock["target"] for _, c, _ in collected})
+    if len(targets) != 1:
+        raise DsaError("dsa-bundle", f"the stages are compiled for different targets {targets}",
+                       "bundle one target's modules")
+    pipeline = {
+        "format": PIPELINE_INDEX_FORMAT,
+        "link": LINK_JSON,
+        "stages": [{"name": s.name, "index": s.name + "." + INDEX_JSON} for s, _, _ in collected],
+    }
+    generated[PIPELINE_JSON] = _json_bytes(pipeline)
+    bundle_name = out.name[:-len(".tar")] if out.name.endswith(".tar") else out.name
+    generated[BUILD_REPORT_JSON] = _json_bytes({
+        "format": BUILD_REPORT_FORMAT,
+        "model_id": bundle_name,
+        "target": targets[0],
+        "stages": [dict(_build_report(c.lock, c.records, c.reports, c.sizes, c.digests), stage=s.name)
+                   for s, c, _ in collected],
+    })
+    digests: Dict[str, str] = {}
+    sizes: Dict[str, int] = {}
+    for name, path in payload.items():
+        digests[name], sizes[name] = sha256_file(path), path.stat().st_size
+    for name, data in generated.items():
+        digests[name], sizes[name] = hashlib.sha256(data).hexdigest(), len(data)
+
+    # One statement for the pipeline: every member as a subject, every stage's inputs as dependencies (the
+    # shared tool sources and toolchain once).
+    statement = None
+    deps: List[dict] = []
+    seen = set()
+    for s, c, _ in collected:
+        source = s.manifest_source or Path(s.manifest).name
+        one = _provenance(c.lock, digests, source, bundle_name)
+        if statement is None:
+            statement = one
+        for dep in one["predicate"]["buildDefinition"]["resolvedDependencies"]:
+            role = dep["annotations"]["role"]
+            if role in ("tool_source", "toolchain_lock"):
+                key = (dep["name"], dep["digest"]["sha256"])
+                if key in seen:
+                    continue
+                seen.add(key)
+            else:
+                dep = dict(dep, annotations=dict(dep["annotations"], stage=s.name))
+                if role == "checkpoint":
+                    dep["name"] = f"{s.name}.checkpoint"
+            deps.append(dep)
+    definition = statement["predicate"]["buildDefinition"]
+    definition["externalParameters"] = {
+        "model_id": bundle_name, "target": targets[0], "bundle": bundle_name,
+        "stages": [{"name": s.name, "model_id": c.lock["model_id"],
+                    "manifest": s.manifest_source or Path(s.manifest).name} for s, c, _ in collected],
+    }
+    definition["internalParameters"] = {
+        "target_flags": collected[0][1].lock["target_spec"].get("flags", []),
+        "modules": [{"name": f"{s.name}.{m['name']}", "flags": m.get("flags", [])}
+                    for s, c, _ in collected for m in c.lock.get("modules", [])],
+    }
+    definition["resolvedDependencies"] = deps
+    provenance = _json_bytes(statement)
+    generated[PROVENANCE_JSON] = provenance
+    digests[PROVENANCE_JSON], sizes[PROVENANCE_JSON] = hashlib.sha256(provenance).hexdigest(), len(provenance)
+
+    meta = {
+        "format": BUNDLE_FORMAT,
+        "kind": "pipeline",
+        "model_id": bundle_name,
+        "target": targets[0],
+        "build_report": BUILD_REPORT_JSON,
+        "provenance": PROVENANCE_JSON,
+        "link": LINK_JSON,
+        "pipeline_file": PIPELINE_JSON,
+        "pipeline": pipeline,
+        "stages": [
+            {"name": s.name, "model_id": c.lock["model_id"], "manifest": f"{s.name}.{MANIFEST_YAML}",
+             "manifest_source": s.manifest_source or Path(s.manifest).name, "lock": f"{s.name}.{LOCK_JSON}",
+             "index_file": f"{s.name}.{INDEX_JSON}", "index": index}
+            for s, c, index in collected
+        ],
+        "files": {name: {"sha256": digests[name], "size": sizes[name]} for name in sorted(digests)},
+    }
+    generated[BUNDLE_JSON] = _json_bytes(meta)
+    return _write_archive(out, payload, generated, sizes, digest_out)
+
+
+def pipeline_inputs(pipeline_index: Path, manifests: Dict[str, Tuple[Path, Optional[str]]]) -> dict:
+    """create_pipeline_bundle's arguments from a pipeline index (dsa_pipeline's NAME.pipeline.json) and each
+    stage's manifest (stage name → (path, repository-relative name))."""
+    pipeline_index = Path(pipeline_index)
+    if not pipeline_index.is_file():
+        raise DsaError(str(pipeline_index), "no such pipeline index", "build the dsa_pipeline first")
+    data = read_json(pipeline_index)
+    base = pipeline_index.parent
+    if not (base / data["link"]).is_file():
+        raise DsaError(str(base / data["link"]), "no such link file", "build the dsa_pipeline first")
+    stages = []
+    for entry in data["stages"]:
+        if entry["name"] not in manifests:
+            raise DsaError("dsa-bundle create", f"no manifest for stage '{entry['name']}'",
+                           f"pass --stage-manifest {entry['name']}=MANIFEST")
+        files = inputs_from_index(base / entry["index"])
+        path, source = manifests[entry["name"]]
+        stages.append(StageInput(entry["name"], manifest=Path(path), manifest_source=source, **files))
+    extra = sorted(set(manifests) - {e["name"] for e in data["stages"]})
+    if extra:
+        raise DsaError("dsa-bundle create", f"--stage-manifest names no stage of the pipeline: {', '.join(extra)}")
+    return dict(link=base / data["link"], stages=stages)
+
+
+def inputs_from_index(index: Path, *, lock: Optional[Path] = None, target_spec: Optional[Path] = None) -> dict:
+    """create_bundle's file arguments from a module index (`dsa_vmfb`'s NAME.modules.json in a runfiles tree,
+    or `dsa compile`'s TARGET.modules.json): each module's compile report lies beside its vmfb, the lock
+    beside the index (NAME.lock.json) unless given. The manifest is not in the index: pass it as well."""
+    index = Path(index)
+    data = read_module_index(index)
+    base = index.parent
+    stem = index.name[:-len(".modules.json")] if index.name.endswith(".modules.json") else index.stem
+    modules = []
+    for m in data["modules"]:
+        vmfb = base / m["vmfb"]
+        name = vmfb.name[:-len(".vmfb")]
+        modules.append(ModuleInput(name, vmfb, base / m["record"], vmfb.with_name(name + ".compile_report.json")))
+    return dict(
+        lock=Path(lock) if lock else base / f"{stem}.lock.json",
+        runtime_view=base / data["runtime_view"],
+        target_spec=Path(target_spec) if target_spec else base / data["target_spec"],
+        params=base / data["parameter_archive"],
+        modules=modules,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclasses.dataclass
+class OpenedBundle:
+    """A verified bundle, extracted into `root`."""
+
+    archive: Path
+    root: Path
+    sha256: str
+    sidecar: Optional[Path]  # the NAME.sha256 the archive was checked against, or None when there is none
+    meta: dict  # bundle.json
+
+    @property
+    def is_pipeline(self) -> bool:
+        return _is_pipeline(self.meta)
+
+    def _single(self, what: str) -> None:
+        if self.is_pipeline:
+            stages = ", ".join(s["name"] for s in self.meta["stages"])
+            raise DsaError(str(self.archive), f"is a pipeline bundle (stages {stages}): it has one {what} per stage",
+                           "run it with `bin/dsa link run --bundle`; its stages' files are "
+                           "<stage>.<file> (docs/bundle-format.md)")
+
+    @property
+    def index_path(self) -> Path:
+        self._single("module index")
+        return self.root / self.meta["index_file"]
+
+    @property
+    def pipeline_path(self) -> Path:
+        if not self.is_pipeline:
+            raise DsaError(str(self.archive), "is a single-model bundle, not a pipeline bundle",
+                           "run it with `bin/dsa run`")
+        return self.root / self.meta["pipeline_file"]
+
+    @property
+    def manifest_path(self) -> Path:
+        self._single("manifest")
+        return self.root / self.meta["manifest"]
+
+    @property
+    def lock(self) -> dict:
+        self._single("recipe lock")
+        return read_json(self.root / self.meta["lock"])
+
+    @property
+    def build_report(self) -> dict:
+        return read_json(self.root / self.meta["build_report"])
+
+    @property
+    def provenance(self) -> dict:
+        return read_json(self.root / self.meta["provenance"])
+
+    def describe(self) -> str:
+        checked = f"matches {self.sidecar.name}" if self.sidecar else "no .sha256 beside it"
+        if self.is_pipeline:
+            stages = " → ".join(s["model_id"] for s in self.meta["stages"])
+            return (f"bundle {self.archive.name}: format {self.meta['format']}, pipeline {stages} for "
+                    f"{self.meta['target']}, sha256 {self.sha256} ({checked}), {len(self.meta['files'])} files "
+                    "verified")
+        return (f"bundle {self.archive.name}: format {self.meta['format']}, {self.meta['model_id']} for "
+                f"{self.meta['target']}, sha256 {self.sha256} ({checked}), {len(self.meta['files'])} files verified")
+
+
+def _is_pipeline(meta: dict) -> bool:
+    """A pipeline bundle (several linked models) rather than one model's."""
+    return meta.get("kind") == "pipeline"
+
+
+def check_archive_digest(archive: Path) -> Tuple[str, Optional[Path]]:
+    """The archive's sha256, checked against NAME.sha256 beside it when that exists."""
+    archive = Path(archive)
+    if not archive.is_file():
+        raise DsaError(str(archive), "no such bundle archive", "pass the NAME.tar a dsa_bundle built")
+    sha = sha256_file(archive)
+    sidecar = sidecar_path(archive)
+    if not sidecar.is_file():
+        return sha, None
+    text = sidecar.read_text(encoding="utf-8", errors="replace").strip()
+    match = _DIGEST_LINE.match(text)
+    if not match or "\n" in text:
+        raise DsaError(str(sidecar), "is not one `<sha256>  <file name>` line",
+                       "restore it from the release, or delete it to check the files against bundle.json only")
+    if match.group(1) != sha:
+        raise DsaError(str(archive), f"sha256 is {sha}, but {sidecar.name} records {match.group(1)}",
+                       "the archive is corrupted or truncated; copy the release again")
+    return sha, sidecar
+
+
+def _read_error(archive: Path, what: str) -> DsaError:
+    return DsaError(str(archive), f"is not a readable bundle archive: {what}",
+                    "the archive is truncated or corrupted; copy the release again")
+
+
+def _extract(archive: Path, dest: Path) -> Dict[str, Tuple[str, int]]:
+    """Extracts the plain-file members into `dest`; returns name → (sha256, size). Refuses links, directories,
+    paths, duplicates, and an archive that does not end exactly where the last member does."""
+    found: Dict[str, Tuple[str, int]] = {}
+    padding: List[Tuple[int, int]] = []  # (offset, length) of each member's zero padding
+    end = 0
+    try:
+        with tarfile.open(archive, mode="r:") as tar:
+            for member in tar:
+                name = member.name
+                if not member.isreg() or not _NAME.match(name) or name in found:
+                    kind = "a duplicate of an earlier member" if name in found else (
+                        "not a plain file" if not member.isreg() else "not a plain file name")
+                    raise DsaError(f"{archive}: member '{name}'", f"is {kind}",
+                                   "bundles hold plain files at their root only; this archive was not made "
+                                   "by dsa_bundle")
+                source = tar.extractfile(member)
+                digest = hashlib.sha256()
+                size = 0
+                with open(dest / name, "wb") as f:
+                    for block in iter(lambda: source.read(1 << 20), b""):
+                        digest.update(block)
+                        f.write(block)
+                        size += len(block)
+                if size != member.size:
+                    raise _read_error(archive, f"member '{name}' ends after {size} of {member.size} bytes")
+                found[name] = (digest.hexdigest(), size)
+                padding.append((member.offset_data + size, -(-size // BLOCK) * BLOCK - size))
+                end = member.offset_data + -(-size // BLOCK) * BLOCK
+    except DsaError:
+        raise
+    except (tarfile.TarError, EOFError, OSError, UnicodeError) as e:
+        raise _read_error(archive, str(e) or type(e).__name__) from None
+    if not found:
+        raise _read_error(archive, "no members")
+    # Everything tarfile does not check must be zeros: the padding after each member's data and the
+    # end-of-archive blocks, which fill the last record. (Headers carry a checksum, data is in bundle.json.)
+    expected = -(-(end + 2 * BLOCK) // RECORD) * RECORD
+    actual = archive.stat().st_size
+    if actual < expected:
+        raise _read_error(archive, f"truncated: {actual} bytes, its last member ends at byte {end} and the "
+                          f"archive at {expected}")
+    padding.append((end, actual - end))
+    with open(archive, "rb") as raw:
+        for offset, length in padding:
+            raw.seek(offset)
+            if raw.read(length).strip(b"\0"):
+                what = ("does not end where its last member does (corrupted, or data appended)"
+                        if offset == end else f"has non-zero bytes in the padding at byte {offset}")
+                raise _read_error(archive, what)
+    if actual != expected:
+        raise _read_error(archive, f"{actual - expected} bytes of zeros after the end of the archive")
+    return found
+
+
+def read_bundle_json(archive: Path) -> dict:
+    """bundle.json of `archive`, after checking that this reader reads its format."""
+    archive = Path(archive)
+    try:
+        with tarfile.open(archive, mode="r:") as tar:
+            member = next((m for m in tar if m.name == BUNDLE_JSON), None)
+            if member is None or not member.isreg():
+                raise DsaError(str(archive), f"has no {BUNDLE_JSON}", "this is not a rules_dsa bundle")
+            if member.size > 64 << 20:
+                raise DsaError(f"{archive}: {BUNDLE_JSON}", f"is {member.size} bytes",
+                               "this is not a rules_dsa bundle")
+            data = tar.extractfile(member).read()
+    except DsaError:
+        raise
+    except (tarfile.TarError, EOFError, OSError, UnicodeError) as e:
+        raise _read_error(archive, str(e) or type(e).__name__) from None
+    try:
+        meta = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeError) as e:
+        raise DsaError(f"{archive}: {BUNDLE_JSON}", f"is not valid JSON: {e}",
+                       "the archive is corrupted; copy the release again") from None
+    fmt = meta.get("format") if isinstance(meta, dict) else None
+    if fmt != BUNDLE_FORMAT:
+        raise DsaError(f"{archive}: {BUNDLE_JSON}", f"bundle format {fmt!r} is not supported: this reader "
+                       f"reads format {BUNDLE_FORMAT}",
+                       "a newer rules_dsa wrote it: read it with that release; docs/bundle-format.md lists "
+                       "the formats" if isinstance(fmt, int) and fmt > BUNDLE_FORMAT
+                       else "this is not a rules_dsa bundle")
+    return meta
+
+
+def extract_bundle(archive: Path, dest: Path) -> OpenedBundle:
+    """Verifies `archive` (sidecar digest, structure, format, every file against bundle.json) into `dest`."""
+    archive = Path(archive)
+    dest = Path(dest)
+    sha, sidecar = check_archive_digest(archive)
+    # The format first: every format keeps bundle.json at the root; the rest of the layout is the format's.
+    meta = read_bundle_json(archive)
+    dest.mkdir(parents=True, exist_ok=True)
+    found = _extract(archive, dest)
+    listed = meta.get("files")
+    if not isinstance(listed, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("sha256"), str) and isinstance(e.get("size"), int)
+            for e in listed.values()) or not isinstance(meta.get("pipeline" if _is_pipeline(meta) else "index"), dict):
+        raise DsaError(f"{archive}: {BUNDLE_JSON}", "is malformed: 'files' must map each file to its sha256 "
+                       "and size, 'index' must be the module index", "this is not a bundle dsa_bundle made")
+    present = set(found) - {BUNDLE_JSON}
+    missing = sorted(set(listed) - present)
+    extra = sorted(present - set(listed))
+    if missing or extra:
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"unlisted {', '.join(extra)}"] if extra else [])
+        raise DsaError(str(archive), f"does not hold the files bundle.json lists: {'; '.join(parts)}",
+                       "the archive is corrupted; copy the release again")
+    for name in sorted(listed):
+        sha_f, size = found[name]
+        want = listed[name]
+        if size != want.get("size") or sha_f != want.get("sha256"):
+            raise DsaError(f"{archive}: {name}", f"has sha256 {sha_f} ({size} bytes), bundle.json records "
+                           f"{want.get('sha256')} ({want.get('size')} bytes)",
+                           "the archive is corrupted; copy the release again")
+    if _is_pipeline(meta):
+        stages = meta.get("stages")
+        if not isinstance(stages, list) or not stages or not all(isinstance(s, dict) for s in stages):
+            raise DsaError(f"{archive}: {BUNDLE_JSON}", "is malformed: a pipeline bundle lists its 'stages'",
+                           "the archive is corrupted or was not made by dsa_bundle")
+        checks = [(meta, ("build_report", "provenance", "link", "pipeline_file"))]
+        checks += [(stage, ("manifest", "lock", "index_file")) for stage in stages]
+        indexes = [(meta, "pipeline_file", "pipeline")] + [(stage, "index_file", "index") for stage in stages]
+    else:
+        checks = [(meta, ("manifest", "lock", "build_report", "provenance", "index_file"))]
+        indexes = [(meta, "index_file", "index")]
+    for table, keys in checks:
+        for key in keys:
+            if not isinstance(table.get(key), str) or table[key] not in listed:
+                raise DsaError(f"{archive}: {BUNDLE_JSON}", f"'{key}' names no file of the bundle",
+                               "the archive is corrupted or was not made by dsa_bundle")
+    for table, file_key, key in indexes:
+        try:
+            index = read_json(dest / table[file_key])
+        except (ValueError, UnicodeError):
+            index = None
+        if index != table.get(key):
+            raise DsaError(f"{archive}: {table[file_key]}", f"differs from the {key} in bundle.json",
+                           "the archive was not made by dsa_bundle")
+    return OpenedBundle(archive=archive, root=dest, sha256=sha, sidecar=sidecar, meta=meta)
+
+
+@contextlib.contextmanager
+def open_bundle(archive: Path) -> Iterator[OpenedBundle]:
+    """Verifies and extracts `archive` into a temporary directory, removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="dsa-bundle-") as tmp:
+        yield extract_bundle(Path(archive), Path(tmp))
+
+
+def release(archive: Path, dest: Path) -> Tuple[Path, Path]:
+    """Verifies `archive`, then copies it and its NAME.sha256 into directory `dest` (created if missing)."""
+    archive = Path(archive)
+    with open_bundle(archive) as b:
+        sha = b.sha256
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise DsaError(str(dest), "exists and is not a directory", "pass a directory to release into")
+    dest.mkdir(parents=True, exist_ok=True)
+    out = dest / archive.name
+    with atomic_output(out) as tmp:
+        shutil.copyfile(archive, tmp)
+        os.chmod(tmp, 0o644)  # Bazel's outputs are read-only
+    if sha256_file(out) != sha:
+        raise DsaError(str(out), "differs from the verified archive after copying", "check the disk")
+    digest = sidecar_path(out)
+    with atomic_output(digest) as tmp:
+        tmp.write_text(digest_line(sha, out.name), encoding="utf-8")
+    return out, digest
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def user_path(value: str) -> Path:
+    """A path from the command line: as given when it exists, else relative to the directory `bazel run` was
+    started in (BUILD_WORKING_DIRECTORY; `bazel run` itself runs in the runfiles tree)."""
+    path = Path(value)
+    base = os.environ.get("BUILD_WORKING_DIRECTORY")
+    if path.is_absolute() or path.exists() or not base:
+        return path
+    return Path(base) / path
+
+
+def _source_name(path: Path) -> str:
+    """A manifest's name for the provenance: as given when relative, else relative to the working directory
+    when under it, else its file name (never an absolute path: it would differ between checkouts)."""
+    if not path.is_absolute():
+        return path.as_posix()
+    try:
+        return path.relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return path.name
+
+
+def _module_arg(value: str) -> ModuleInput:
+    name, sep, paths = value.partition("=")
+    parts = paths.split(",")
+    if not sep or len(parts) != 3:
+        raise DsaError("--module", f"'{value}' is not NAME=VMFB,EXPORT_RECORD,COMPILE_REPORT")
+    return ModuleInput(name, *map(Path, parts))
+
+
+def _format_size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="dsa bundle", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("create", help="write a bundle archive and its .sha256")
+    c.add_argument("--index", help="take the files from this module index (dsa compile's TARGET.modules.json); "
+                   "the flags below override")
+    c.add_argument("--lock", help="the recipe lock (NAME.lock.json) from dsa_vmfb or dsa compile")
+    c.add_argument("--manifest", help="the manifest (required unless --pipeline)")
+    c.add_argument("--manifest-source", help="the manifest's repository-relative name, for the provenance "
+                   "(default: --manifest as given)")
+    c.add_argument("--runtime-view")
+    c.add_argument("--target-spec")
+    c.add_argument("--params", help="the parameter archive (.irpa)")
+    c.add_argument("--module", action="append", default=[], type=_module_arg,
+                   help="NAME=VMFB,EXPORT_RECORD,COMPILE_REPORT (repeat per module)")
+    c.add_argument("--pipeline", help="bundle a linked pipeline: its index (dsa_pipeline's NAME.pipeline.json); "
+                   "each stage's files come from its module index, its manifest from --stage-manifest")
+    c.add_argument("--stage-manifest", action="append", default=[],
+                   help="with --pipeline: STAGE=MANIFEST[,REPOSITORY_RELATIVE_NAME] (repeat per stage)")
+    c.add_argument("--out", required=True, help="the archive to write (NAME.tar)")
+    c.add_argument("--digest", help="where to write `<sha256>  NAME.tar` (default NAME.sha256 beside it)")
+    for command, text in (("verify", "check a bundle as `dsa run` would and summarise it"),
+                          ("list", "list a verified bundle's files")):
+        p = sub.add_parser(command, help=text)
+        p.add_argument("bundle")
+    r = sub.add_parser("release", help="verify a bundle, then copy it and its .sha256 into DEST")
+    r.add_argument("bundle")
+    r.add_argument("dest", help="directory (created if missing); relative to where `bazel run` was started")
+    a = parser.parse_args(argv)
+
+    if a.command == "create" and a.pipeline:
+        manifests = {}
+        for value in a.stage_manifest:
+            stage, sep, rest = value.partition("=")
+            path, _, source = rest.partition(",")
+            if not sep or not path:
+                raise DsaError("--stage-manifest", f"'{value}' is not STAGE=MANIFEST[,NAME]")
+            manifests[stage] = (Path(path), source or _source_name(Path(path)))
+        sha = create_pipeline_bundle(Path(a.out), digest_out=Path(a.digest) if a.digest else None,
+                                     **pipeline_inputs(Path(a.pipeline), manifests))
+        return
+    if a.command == "create":
+        if not a.manifest:
+            raise DsaError("dsa-bundle create", "--manifest is required without --pipeline")
+        files = inputs_from_index(Path(a.index), lock=a.lock, target_spec=a.target_spec) if a.index else {}
+        for key in ("lock", "runtime_view", "target_spec", "params"):
+            if getattr(a, key):
+                files[key] = Path(getattr(a, key))
+            if key not in files:
+                raise DsaError("dsa-bundle create", f"--{key.replace('_', '-')} is required without --index")
+        if a.module:
+            files["modules"] = a.module
+        if not files.get("modules"):
+            raise DsaError("dsa-bundle create", "no modules", "pass --index or --module")
+        sha = create_bundle(Path(a.out), manifest=Path(a.manifest),
+                            manifest_source=a.manifest_source or _source_name(Path(a.manifest)),
+                            digest_out=Path(a.digest) if a.digest else None, **files)
+        if a.index:  # by hand, not in a build action: say what was written
+            print(f"dsa-bundle: wrote {a.out} (sha256 {sha}) and {a.digest or sidecar_path(Path(a.out))}")
+        return
+    if a.command == "release":
+        # DEST is always relative to where `bazel run` was started (the runfiles tree is no place for it).
+        dest = Path(os.environ.get("BUILD_WORKING_DIRECTORY", ".")) / a.dest
+        archive, digest = release(user_path(a.bundle), dest)
+        print(f"released {archive} and {digest.name}: sha256 {digest.read_text(encoding='utf-8').split()[0]}")
+        return
+    with open_bundle(user_path(a.bundle)) as b:
+        print(b.describe())
+        if a.command == "list":
+            for name, entry in sorted(b.meta["files"].items()):
+                print(f"  {entry['sha256']}  {entry['size']:>12d}  {name}")
+        else:
+            report = b.build_report
+            for m in [dict(m, name=f"{st['stage']}.{m['name']}") for st in report["stages"] for m in st["modules"]] \
+                    if b.is_pipeline else report["modules"]:
+                bucket = f"{m['bucket']['dim']}={m['bucket']['size']}" if m.get("bucket") else "dynamic"
+                print(f"  {m['name']}: {bucket}, {m['export']['op_count']} exported ops, "
+                      f"{m['compile']['dispatch_count']} dispatches, {_format_size(m['sizes']['vmfb_bytes'])}")
+            params = sum(st["parameters"]["bytes"] for st in report["stages"]) if b.is_pipeline else \
+                report["parameters"]["bytes"]
+            label = f"{PARAMS_IRPA} (all stages)" if b.is_pipeline else PARAMS_IRPA
+            print(f"  {label}: {_format_size(params)}; archive {_format_size(b.archive.stat().st_size)}")
+
+
+if __name__ == "__main__":
+    run_cli(main, "dsa bundle")

@@ -1,0 +1,223 @@
+"""Host-side runner: loads compiled modules + the parameter archive with iree.runtime and runs a policy.
+
+A model's compiled form is described by a module index (JSON, written by `dsa_vmfb`):
+
+    {"format": 1, "target": ..., "target_spec": "...json" (names the runtime driver),
+     "parameter_archive": "pi0_model/params.irpa", "parameter_scope": "model", "runtime_view": ...,
+     "modules": [{"vmfb": ..., "record": ...}, ...]}       # paths relative to the index
+
+With shape buckets there is one module per bucket; `run` picks the smallest bucket that holds the input,
+pads the bucketed axes with each input's recorded pad value, and refuses an input longer than the largest
+bucket. Before loading, every archive entry is checked against the export record (name, shape, dtype): the
+IREE runtime would accept a tensor of the wrong shape silently.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from dsa.core.errors import DsaError
+from dsa.core.fileio import read_json
+
+from dsa.core.formats import INDEX_FORMAT, PARAMETER_METADATA_PREFIX
+
+
+def read_archive_metadata(irpa: Path) -> dict:
+    """name → {"dtype", "shape", "nbytes"} for every entry of a parameter archive."""
+    import iree.runtime as rt
+
+    index = rt.ParameterIndex()
+    index.load(str(irpa))
+    entries = {}
+    for key, entry in index.items():
+        meta = entry.metadata.decode("utf-8") if entry.metadata else ""
+        info = json.loads(meta[len(PARAMETER_METADATA_PREFIX):]) if meta.startswith(PARAMETER_METADATA_PREFIX) else {}
+        nbytes = len(memoryview(entry.file_view)) if entry.is_file else None
+        entries[key] = {"dtype": info.get("dtype"), "shape": info.get("shape"), "nbytes": nbytes}
+    return entries
+
+
+class Module:
+    """One compiled entry point and its export record."""
+
+    def __init__(self, record: dict, vmfb: Path):
+        self.record = record
+        self.vmfb = vmfb
+        self.bucket = record.get("bucket")  # {"dim", "size", "slot"} or None for a fully dynamic module
+        self._invoker = None
+
+    def holds(self, sizes: Dict[str, int]) -> bool:
+        if self.bucket is None:
+            return True
+        return sizes.get(self.bucket["dim"], 0) <= self.bucket["size"]
+
+
+def read_module_index(path: Path) -> dict:
+    """A module index, refused unless its format is the one this release reads."""
+    index = read_json(path)
+    if index.get("format") != INDEX_FORMAT:
+        raise DsaError(str(path), f"module index format {index.get('format')} is not supported",
+                       f"this release reads format {INDEX_FORMAT}")
+    return index
+
+
+class CompiledPolicy:
+    def __init__(self, index_path: Path, driver: Optional[str] = None):
+        index_path = Path(index_path)
+        index = read_module_index(index_path)
+        base = index_path.parent
+        self.index = index
+        self.target_spec = read_json(base / index["target_spec"])
+        self.driver = driver or self.target_spec["runtime_driver"]
+        self.modules = [Module(read_json(base / m["record"]), base / m["vmfb"]) for m in index["modules"]]
+        self.model_id = self.modules[0].record["model_id"]
+        # Smallest bucket first, so the first module that holds an input is the tightest fit.
+        self.modules.sort(key=lambda m: (m.bucket is None, m.bucket["size"] if m.bucket else 0))
+        self.parameter_archive = base / index["parameter_archive"]
+        self.runtime_view = read_json(base / index["runtime_view"])
+        self._check_parameters()
+        self._load()
+
+    # -- loading ---------------------------------------------------------------------------------
+    def _check_parameters(self) -> None:
+
+        entries = read_archive_metadata(self.parameter_archive)
+        for module in self.modules:
+            for p in module.record["parameters"]:
+                got = entries.get(p["name"])
+                if got is None:
+                    raise DsaError(str(self.parameter_archive), f"has no parameter '{p['name']}'",
+                                   "rebuild the parameter archive for this model")
+                if got["shape"] != p["shape"] or got["dtype"] != p["dtype"]:
+                    raise DsaError(
+                        f"{self.parameter_archive}: parameter '{p['name']}'",
+                        f"is {got['shape']} {got['dtype']}, the module expects {p['shape']} {p['dtype']}",
+                        "rebuild the parameter archive from a checkpoint of this architecture",
+                    )
+
+    def _load(self) -> None:
+        import iree.runtime as rt
+
+        self._rt = rt
+        self._instance = rt.VmInstance()
+        self._device = rt.get_device(self.driver)
+        params = rt.ParameterIndex()
+        params.load(str(self.parameter_archive))
+        scope = self.index["parameter_scope"]
+        self._param_module = rt.create_io_parameters_module(self._instance, params.create_provider(scope=scope))
+        self._hal_module = rt.create_hal_module(self._instance, self._device)
+
+    def _invoker(self, module: Module):
+        if module._invoker is None:
+            rt = self._rt
+            # Copied, not mmapped: VmModule.mmap maps the file writable, which fails on read-only
+            # locations such as Bazel's runfiles.
+            vm_module = rt.VmModule.copy_buffer(self._instance, module.vmfb.read_bytes())
+            context = rt.VmContext(self._instance, modules=[self._hal_module, self._param_module, vm_module])
+            function = vm_module.lookup_function(module.record["function"])
+            module._invoker = rt.FunctionInvoker(context, self._device, function)
+        return module._invoker
+
+    # -- running ---------------------------------------------------------------------------------
+    @property
+    def input_specs(self) -> List[dict]:
+        return self.modules[-1].record["inputs"]
+
+    def buckets(self) -> Dict[str, List[int]]:
+        table: Dict[str, List[int]] = {}
+        for m in self.modules:
+            if m.bucket:
+                table.setdefault(m.bucket["dim"], []).append(m.bucket["size"])
+        return table
+
+    def select(self, inputs: Dict[str, np.ndarray]) -> Tuple[Module, Dict[str, int]]:
+        """The smallest module whose bucket holds the inputs' bucketed dims."""
+        sizes: Dict[str, int] = {}
+        for spec in self.input_specs:
+            for axis, dim in spec.get("dims", {}).items():
+                sizes[dim] = max(sizes.get(dim, 0), int(np.shape(inputs[spec["name"]])[int(axis)]))
+        for module in self.modules:
+            if module.holds(sizes):
+                return module, sizes
+        dim = self.modules[-1].bucket["dim"]
+        largest = self.modules[-1].bucket["size"]
+        raise DsaError(
+            f"{self.model_id}: input",
+            f"{dim} is {sizes[dim]}, longer than the largest bucket ({largest}; buckets: "
+            f"{self.buckets()[dim]})",
+            f"shorten the input to at most {largest}, or add a larger bucket to the manifest's buckets.{dim}",
+        )
+
+    def prepare(self, module: Module, inputs: Dict[str, np.ndarray]) -> List[np.ndarray]:
+        """Inputs in the entry point's order, padded to the module's bucket and cast to recorded dtypes."""
+        args = []
+        for spec in module.record["inputs"]:
+            if spec["name"] not in inputs:
+                raise DsaError(f"{self.model_id}: input", f"missing input '{spec['name']}'",
+                               f"provide: {', '.join(s['name'] for s in module.record['inputs'])}")
+            value = np.asarray(inputs[spec["name"]], dtype=spec["dtype"])
+            target = spec["shape"]
+            if value.ndim != len(target):
+                raise DsaError(f"{self.model_id}: input '{spec['name']}'",
+                               f"has rank {value.ndim}, expected shape {target}")
+            pad = []
+            for axis, (have, want) in enumerate(zip(value.shape, target)):
+                if isinstance(want, str):  # dynamic in this module
+                    pad.append((0, 0))
+                elif str(axis) in spec.get("dims", {}) and have <= want:
+                    pad.append((0, want - have))
+                elif have != want:
+                    raise DsaError(f"{self.model_id}: input '{spec['name']}'",
+                                   f"has shape {list(value.shape)}, expected {target}")
+                else:
+                    pad.append((0, 0))
+            if any(p[1] for p in pad):
+                value = np.pad(value, pad, constant_values=spec.get("pad_value", 0))
+            if "value_range" in spec:
+                lo, hi = spec["value_range"]
+                if not lo <= int(value) <= hi:
+                    raise DsaError(f"{self.model_id}: input '{spec['name']}'",
+                                   f"is {int(value)}, outside the supported range [{lo}, {hi}]")
+            args.append(value if value.flags.c_contiguous else value.copy(order="C"))
+        return args
+
+    def run(self, inputs: Dict[str, np.ndarray]) -> Tuple[List[np.ndarray], Module]:
+        module, _ = self.select(inputs)
+        args = self.prepare(module, inputs)
+        result = self._invoker(module)(*args)
+        results = result if isinstance(result, (list, tuple)) else [result]
+        return [np.asarray(r.to_host()) for r in results], module
+
+    def timed_run(self, inputs: Dict[str, np.ndarray], repeats: int = 10):
+        """Runs once to warm up, then `repeats` times; returns (outputs, module, latencies in ms)."""
+        outputs, module = self.run(inputs)
+        latencies = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            outputs, module = self.run(inputs)
+            latencies.append((time.perf_counter() - start) * 1e3)
+        return outputs, module, latencies
+
+
+def sample_inputs(record: dict, sizes: Dict[str, int], rng: np.random.Generator) -> Dict[str, np.ndarray]:
+    """A deterministic sample observation for an export record: bucketed dims at `sizes` (default: the
+    record's own size), floats standard-normal, integers within their recorded sample range."""
+    values = {}
+    for spec in record["inputs"]:
+        shape = []
+        for axis, dim in enumerate(spec["shape"]):
+            named = spec.get("dims", {}).get(str(axis))
+            shape.append(sizes.get(named, dim) if named else dim)
+        if "value_range" in spec:
+            values[spec["name"]] = np.array(spec["value_range"][0], dtype=spec["dtype"]).reshape(shape)
+        elif spec["dtype"].startswith("float"):
+            values[spec["name"]] = rng.standard_normal(shape).astype(spec["dtype"])
+        else:
+            lo, hi = spec.get("sample_range", (0, 1))
+            values[spec["name"]] = rng.integers(lo, hi + 1, size=shape).astype(spec["dtype"])
+    return values

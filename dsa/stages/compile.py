@@ -1,0 +1,203 @@
+"""DsaCompile: torch-dialect MLIR + the manifest's compile view + a target → .vmfb and a compile report.
+
+The flags are composed from four reviewable sources, in this order: the input/device flags every module
+needs, the target's own flags (toolchains/targets/<name>.json), the measured tuning of the model family for
+that target (toolchains/tuning/<family>.<target>.json, optional; written by `bazel run //bench:tune`), and
+the flags the manifest's compile view implies. Reproducibility flags come last and cannot be overridden: no
+source map, no debug symbols, and never `host` as a CPU, so the same inputs give a byte-identical, portable
+vmfb on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+from dsa.core.errors import DsaError, run_cli
+from dsa.core.fileio import atomic_output, read_json, sha256_file, write_json_atomic
+
+REPORT_FORMAT = 1
+TUNING_FORMAT = 1
+REPRODUCIBILITY_FLAGS = [
+    "--iree-vm-bytecode-module-strip-source-map=true",
+    "--iree-llvmcpu-debug-symbols=false",
+]
+
+
+def target_flags(target: dict, where: str) -> List[str]:
+    """Device + backend + target flags of a target spec, refusing anything that depends on the build host."""
+    for key in ("name", "device", "backends", "runtime_driver", "flags"):
+        if key not in target:
+            raise DsaError(where, f"target spec has no '{key}'", "see toolchains/targets/x86_64-v3.json")
+    for flag in target["flags"]:
+        if flag.endswith("=host"):
+            raise DsaError(
+                where,
+                f"flag '{flag}' compiles for the build machine's own CPU: the artifact would not be "
+                "reproducible or portable",
+                "name an explicit CPU (e.g. --iree-llvmcpu-target-cpu=x86-64-v3)",
+            )
+    return [
+        f"--iree-hal-target-device={target['device']}",
+        f"--iree-hal-local-target-device-backends={','.join(target['backends'])}",
+        *target["flags"],
+    ]
+
+
+# Flags a tuning file may not set: they choose the device, the CPU or the input, or undo reproducibility.
+_TUNING_FORBIDDEN = (
+    "--iree-hal-target-device", "--iree-hal-local-target-device-backends", "--iree-hal-target-backends",
+    "--iree-llvmcpu-target-triple", "--iree-llvmcpu-target-cpu", "--iree-llvmcpu-target-cpu-features",
+    "--iree-input-type", "--iree-vm-bytecode-module-strip-source-map", "--iree-llvmcpu-debug-symbols",
+    "--mlir-print-debuginfo", "-o", "--compile-to", "--output-format",
+)
+
+
+def tuning_flags(tuning: dict, target: dict, where: str) -> List[str]:
+    """The flags of a tuning file (toolchains/tuning/<family>.<target>.json), checked against the target."""
+    for key in ("format", "family", "target", "flags"):
+        if key not in tuning:
+            raise DsaError(where, f"tuning file has no '{key}'", "see toolchains/tuning/README.md")
+    if tuning["format"] != TUNING_FORMAT:
+        raise DsaError(where, f"tuning format {tuning['format']} is not supported",
+                       f"this release reads format {TUNING_FORMAT}")
+    if tuning["target"] != target["name"]:
+        raise DsaError(where, f"tuning is for target '{tuning['target']}' but this compile is for "
+                       f"'{target['name']}'", f"use toolchains/tuning/{tuning['family']}.{target['name']}.json")
+    flags = tuning["flags"]
+    if not isinstance(flags, list) or not all(isinstance(f, str) and f.startswith("--") for f in flags):
+        raise DsaError(where, "tuning 'flags' must be a list of '--flag[=value]' strings")
+    for flag in flags:
+        if flag.partition("=")[0] in _TUNING_FORBIDDEN or flag.endswith("=host"):
+            raise DsaError(where, f"tuning flag '{flag}' is not allowed: the target spec and the rule set own "
+                           "the device, CPU, input and reproducibility flags", "remove it from the tuning file")
+    return list(flags)
+
+
+def manifest_flags(view: dict) -> List[str]:
+    """Flags implied by the compile view. Quantised weights must stay packed until the matmul: no constant
+    evaluation or hoisting (which would materialise float weights at load), and the matmul's producers not
+    kept out of its dispatch. (IREE 3.13 llvm-cpu still runs the dequantisation as its own elementwise
+    dispatch: see README, "Weight-only quantisation".)"""
+    if view["quant_scheme"]["kind"] in ("int8", "int4"):
+        return ["--iree-opt-const-eval=false", "--iree-opt-const-expr-hoisting=false",
+                "--iree-dispatch-creation-block-matmul-producer-fusion=false"]
+    return []
+
+
+def compile_flags(view: dict, target: dict, where: str, tuning: Optional[dict] = None) -> List[str]:
+    if view.get("target") != target["name"]:
+        raise DsaError(
+            where,
+            f"compile view is for target '{view.get('target')}' but the target spec is '{target['name']}'",
+            "pass the matching toolchains/targets spec",
+        )
+    tuned = tuning_flags(tuning, target, f"{where} (tuning)") if tuning is not None else []
+    return ["--iree-input-type=torch", *target_flags(target, where), *tuned, *manifest_flags(view),
+            *REPRODUCIBILITY_FLAGS]
+
+
+def _iree_compile() -> str:
+    from iree.compiler.tools.binaries import find_tool
+
+    return find_tool("iree-compile")
+
+
+def _compiler_version() -> str:
+    from importlib import metadata
+
+    return metadata.version("iree-base-compiler")
+
+
+def _first_error(stderr: str) -> str:
+    lines = [l for l in stderr.splitlines() if "error:" in l]
+    return (lines[0] if lines else stderr.strip().splitlines()[-1] if stderr.strip() else "no message")
+
+
+def run_iree_compile(mlir: Path, flags: List[str], output: Path, where: str) -> str:
+    """Runs iree-compile; returns its stderr. Raises DsaError, naming the failing op, on failure."""
+    proc = subprocess.run([_iree_compile(), str(mlir), *flags, "-o", str(output)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        message = _first_error(proc.stderr)
+        hint = "see the compiler's message; run `iree-compile` with the same flags to reproduce"
+        if "failed to legalize operation" in message:
+            hint = "the model uses an op IREE cannot lower for this target: rewrite or decompose it"
+        raise DsaError(where, f"iree-compile failed: {message.strip()}", hint)
+    return proc.stderr
+
+
+def compile_module(
+    mlir: Path,
+    view: dict,
+    target: dict,
+    out_vmfb: Path,
+    out_report: Optional[Path] = None,
+    *,
+    where: str = "compile",
+    tuning: Optional[dict] = None,
+) -> dict:
+    flags = compile_flags(view, target, where, tuning)
+    with tempfile.TemporaryDirectory(prefix="dsa-compile-") as tmp:
+        stats_path = Path(tmp) / "statistics.json"
+        stats_flags = ["--iree-scheduling-dump-statistics-format=json",
+                       f"--iree-scheduling-dump-statistics-file={stats_path}"]
+        with atomic_output(out_vmfb) as tmp_vmfb:
+            run_iree_compile(mlir, flags + stats_flags, tmp_vmfb, where)
+            stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+            vmfb_size = tmp_vmfb.stat().st_size
+            vmfb_sha = sha256_file(tmp_vmfb)
+    aggregate = stats.get("stream-aggregate", {})
+    report = {
+        "format": REPORT_FORMAT,
+        "model_id": view["model_id"],
+        "target": target["name"],
+        "runtime_driver": target["runtime_driver"],
+        "tuning": None if tuning is None else {"family": tuning["family"], "flags": tuning["flags"]},
+        "flags": flags,
+        "dispatch_count": aggregate.get("execution", {}).get("dispatch-count"),
+        "executable_count": aggregate.get("executable", {}).get("executable-count"),
+        "mlir_sha256": sha256_file(mlir),
+        "vmfb_sha256": vmfb_sha,
+        "vmfb_bytes": vmfb_size,
+        "iree_base_compiler": _compiler_version(),
+    }
+    if out_report is not None:
+        write_json_atomic(out_report, report)
+    return report
+
+
+def compile_to_phase(mlir: Path, view: dict, target: dict, phase: str, where: str = "compile",
+                     tuning: Optional[dict] = None) -> str:
+    """The module's IR after `phase` (e.g. "flow"), as text: used to inspect what the compiler keeps."""
+    with tempfile.TemporaryDirectory(prefix="dsa-phase-") as tmp:
+        out = Path(tmp) / f"{phase}.mlir"
+        run_iree_compile(mlir, compile_flags(view, target, where, tuning) + [f"--compile-to={phase}"], out,
+                         where)
+        return out.read_text()
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="dsa-compile-module", description=__doc__.splitlines()[0])
+    parser.add_argument("--mlir", required=True)
+    parser.add_argument("--view", required=True, help="the manifest's compile view (JSON)")
+    parser.add_argument("--target", required=True, help="target spec (toolchains/targets/NAME.json)")
+    parser.add_argument("--tuning", help="tuning file (toolchains/tuning/<family>.<target>.json)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--report", required=True)
+    a = parser.parse_args(argv)
+    where = f"{a.mlir} for target {Path(a.target).stem}"
+    tuning = None
+    if a.tuning:
+        tuning = read_json(a.tuning)
+        where = f"{where} with {a.tuning}"
+    compile_module(Path(a.mlir), read_json(a.view), read_json(a.target), Path(a.out), Path(a.report),
+                   where=where, tuning=tuning)
+
+
+if __name__ == "__main__":
+    run_cli(main, "dsa-compile-module")

@@ -1,0 +1,651 @@
+"""Latency benchmark: each model's vmfb (iree.runtime) against eager PyTorch, ONNX Runtime and torch.compile.
+
+    bazel run //bench -- [--models pi0 transformer] [--runs 30] [--target auto|x86_64-v3|x86_64-v4]
+
+For every subject in bench/subjects.json (one per model in models/) it exports and compiles the model with
+the rule set's own stage code (dsa.stages.export, dsa.stages.params, dsa.stages.compile: the same bytes a Bazel build makes) in
+several variants —
+
+    default     no graph rewrites, the target's flags only ("compiled the obvious way")
+    rewrites    the default graph rewrites (dsa.stages.passes), the target's flags only
+    tuned       the rewrites and the family's tuning file for the target (toolchains/tuning): what ships
+    -<pass>     tuned without one rewrite that fired: that rewrite's before/after line
+
+— and runs each, eager PyTorch, ONNX Runtime (the same model through torch's ONNX exporter) and
+torch.compile on the same inputs with the same thread count: warm-up, then `runs` timed calls; median and
+p90. Every runtime's output is checked against eager in the same run. Results go to bench/RESULTS.md,
+bench/results.json and bench/results.png, with the machine, CPU target and flags; for a model short of the
+goal (vmfb ≤ eager; pi0 and the transformer control within 1.5x of ONNX Runtime) the profiler's top
+dispatches are listed. Timings are reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from dsa.core.errors import DsaError, run_cli
+from dsa.core.fileio import read_json, write_bytes_atomic, write_json_atomic
+
+RESULTS_FORMAT = 1
+# Parity bound of every runtime against eager, as in the models' tests: |x - eager| <= REL_TOL * max(1, |eager|).
+REL_TOL = 2e-4
+# The goal of the performance work (issue: beat eager, close in on ONNX Runtime).
+GOAL_EAGER_RATIO = 1.0
+GOAL_ORT_RATIO = 1.5
+
+
+# -- timing ------------------------------------------------------------------------------------------
+def measure(fn: Callable[[], object], *, warmup: int, runs: int) -> dict:
+    """Calls fn `warmup` times untimed, then `runs` times; median and p90 in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return summarize(samples)
+
+
+def measure_interleaved(fns: Dict[str, Callable[[], object]], *, warmup: int, runs: int,
+                        rounds: int = 5) -> Dict[str, dict]:
+    """Times several functions in alternating rounds (each round gives every function runs/rounds calls),
+    so a machine slowing down or speeding up mid-measurement biases none of them; median and p90 per name."""
+    samples: Dict[str, List[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    per_round = [runs // rounds + (1 if r < runs % rounds else 0) for r in range(rounds)]
+    for count in per_round:
+        for name, fn in fns.items():
+            for _ in range(count):
+                start = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: summarize(values) for name, values in samples.items()}
+
+
+def summarize(samples_ms: Sequence[float]) -> dict:
+    if not samples_ms:
+        raise ValueError("no samples")
+    ordered = sorted(samples_ms)
+    p90 = float(np.percentile(ordered, 90))
+    return {"median_ms": round(statistics.median(ordered), 4), "p90_ms": round(p90, 4), "runs": len(ordered)}
+
+
+def parity(out: np.ndarray, ref: np.ndarray) -> dict:
+    err = float(np.abs(np.asarray(out, dtype=np.float64) - ref).max()) if out.shape == ref.shape else float("inf")
+    bound = REL_TOL * max(1.0, float(np.abs(ref).max()))
+    return {"max_abs_err": err, "bound": bound, "ok": bool(err <= bound)}
+
+
+# -- machine -----------------------------------------------------------------------------------------
+def _cpuinfo(key: str) -> Optional[str]:
+    """The value of the first `key` line of /proc/cpuinfo, or None where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_flags() -> List[str]:
+    return (_cpuinfo("flags") or "").split()
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or "unknown"
+
+
+def best_target(flags: Sequence[str]) -> str:
+    """The most capable shipped CPU target this machine runs (x86-64-v4 needs AVX-512 F/BW/CD/DQ/VL)."""
+    if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= set(flags):
+        return "x86_64-v4"
+    return "x86_64-v3"
+
+
+def machine_info(threads: int) -> dict:
+    flags = cpu_flags()
+    return {
+        "cpu": cpu_model(),
+        "cores_available": threads,
+        "threads": threads,
+        "avx512": "avx512f" in flags,
+        "python": platform.python_version(),
+        "system": f"{platform.system()} {platform.release()}",
+    }
+
+
+# -- subjects ----------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Subject:
+    name: str
+    manifest: Path
+    checkpoint: Path
+    family: str
+    bucket: Optional[dict]          # {"dim": ..., "slot": ...} or None
+    cases: List[dict]               # input overrides per timed case, e.g. [{"steps": 1}, {"steps": 10}]
+    ort_goal: bool                  # whether the 1.5x-of-ONNX-Runtime goal applies
+
+    def dims(self, manifest: dict) -> Dict[str, int]:
+        """The timed bucket's size by dim name ({} without buckets)."""
+        if self.bucket is None:
+            return {}
+        return {self.bucket["dim"]: manifest["buckets"][self.bucket["dim"]][self.bucket["slot"]]}
+
+    def case_name(self, case: dict) -> str:
+        return ", ".join(f"{k}={v}" for k, v in case.items()) or "-"
+
+
+def load_subjects(path: Path, root: Path) -> List[Subject]:
+    data = read_json(path)
+    subjects = []
+    for entry in data["subjects"]:
+        subjects.append(Subject(
+            name=entry["model"],
+            manifest=root / entry["manifest"],
+            checkpoint=root / entry["checkpoint"],
+            family=entry["family"],
+            bucket=entry.get("bucket"),
+            cases=entry.get("cases") or [{}],
+            ort_goal=bool(entry.get("ort_goal", False)),
+        ))
+    return subjects
+
+
+# -- building variants -------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Built:
+    vmfb: Path
+    record: dict
+    irpa: Path
+    flags: List[str]
+    rewrites: Dict[str, int]
+    export_s: float
+    compile_s: float
+    vmfb_bytes: int
+
+
+def build_variant(subject: Subject, manifest: dict, target: dict, tuning: Optional[dict],
+                  rewrites: Sequence[str], work: Path, pythonpath: Sequence[str]) -> Built:
+    """Exports (with `rewrites`), packs the parameters and compiles, with the stages' own functions."""
+    from dsa.stages.compile import compile_module
+    from dsa.stages.export import export_model
+    from dsa.manifest.contract import project
+    from dsa.stages.params import build_params
+
+    work.mkdir(parents=True, exist_ok=True)
+    export_view = project(manifest, "export")
+    bucket = None
+    if subject.bucket is not None:
+        bucket = project(manifest, "bucket", bucket=(subject.bucket["dim"], subject.bucket["slot"]))
+    start = time.perf_counter()
+    record = export_model(export_view, work / "model.mlir", work / "record.json", bucket=bucket,
+                          pythonpath=pythonpath, manifest_name=str(subject.manifest), rewrites=rewrites)
+    export_s = time.perf_counter() - start
+    irpa = work / "params.irpa"
+    build_params(subject.checkpoint, project(manifest, "params"), record, irpa,
+                 manifest_name=str(subject.manifest))
+    compile_view = dict(project(manifest, "compile", target=manifest["targets"][0]), target=target["name"])
+    start = time.perf_counter()
+    report = compile_module(work / "model.mlir", compile_view, target, work / "model.vmfb",
+                            where=f"{subject.name} for {target['name']}", tuning=tuning)
+    compile_s = time.perf_counter() - start
+    return Built(work / "model.vmfb", record, irpa, report["flags"], record.get("rewrites", {}),
+                 round(export_s, 2), round(compile_s, 2), report["vmfb_bytes"])
+
+
+class IreeModule:
+    """One vmfb + its parameter archive, loaded with iree.runtime on the target's driver."""
+
+    def __init__(self, built: Built, driver: str):
+        import iree.runtime as rt
+
+        instance = rt.VmInstance()
+        self.device = rt.get_device(driver)
+        params = rt.ParameterIndex()
+        params.load(str(built.irpa))
+        modules = [
+            rt.create_hal_module(instance, self.device),
+            rt.create_io_parameters_module(instance, params.create_provider(scope=built.record["parameter_scope"])),
+        ]
+        vm_module = rt.VmModule.copy_buffer(instance, built.vmfb.read_bytes())
+        context = rt.VmContext(instance, modules=modules + [vm_module])
+        self.invoke = rt.FunctionInvoker(context, self.device, vm_module.lookup_function(built.record["function"]))
+        self.names = [s["name"] for s in built.record["inputs"]]
+
+    def __call__(self, inputs: Dict[str, np.ndarray]) -> np.ndarray:
+        result = self.invoke(*[inputs[n] for n in self.names])
+        result = result[0] if isinstance(result, (list, tuple)) else result
+        return np.asarray(result.to_host())
+
+
+# -- the other runtimes ------------------------------------------------------------------------------
+def ort_session(eager, args, names: List[str], path: Path, threads: int):
+    import onnxruntime as ort
+    import torch
+
+    program = torch.onnx.export(eager, tuple(args), dynamo=True, input_names=names, verbose=False)
+    program.save(str(path))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feeds = [i.name for i in session.get_inputs()]
+    return session, feeds
+
+
+def _error(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+# -- reference cases ---------------------------------------------------------------------------------
+def load_subject_manifest(subject: Subject, root: Path, work: Path) -> dict:
+    """The subject's manifest. Outside Bazel the seeded checkpoint is not built: make the same one
+    dsa_checkpoint(seed = 0) makes."""
+    from dsa.manifest.contract import load_manifest, project
+
+    manifest = load_manifest(subject.manifest)
+    if not subject.checkpoint.exists():
+        from dsa.stages.checkpoint import make_checkpoint
+
+        subject.checkpoint = work / "checkpoint.safetensors"
+        make_checkpoint(project(manifest, "export"), subject.checkpoint, seed=0, pythonpath=[str(root)])
+    return manifest
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    inputs: Dict[str, np.ndarray]   # by input name, for the vmfb
+    args: list                      # torch tensors in the entry point's order, for eager / ORT / torch.compile
+    ref: np.ndarray                 # eager PyTorch's output, float64
+
+
+def reference_cases(subject: Subject, manifest: dict, record: dict):
+    """(eager module, input names, one Case per subject case): deterministic sample inputs at the subject's
+    bucket, each case's overrides applied, and eager PyTorch's output on them."""
+    import torch
+
+    from dsa.manifest.contract import project
+    from dsa.runtime.policy import sample_inputs
+    from dsa.tools.testing import eager_policy
+
+    dims = subject.dims(manifest)
+    base = sample_inputs(record, dims, np.random.default_rng(0))
+    eager, spec = eager_policy(project(manifest, "export"), dims, subject.checkpoint)
+    names = [s.name for s in spec.inputs]
+    cases = []
+    for case in subject.cases:
+        inputs = dict(base)
+        for key, value in case.items():
+            inputs[key] = np.array(value, dtype=np.asarray(base[key]).dtype)
+        args = [torch.from_numpy(np.asarray(inputs[n])) for n in names]
+        with torch.no_grad():
+            ref = eager(*args).numpy().astype(np.float64)
+        cases.append(Case(subject.case_name(case), inputs, args, ref))
+    return eager, names, cases
+
+
+# -- one subject ---------------------------------------------------------------------------------------
+def bench_subject(subject: Subject, *, target_name: str, root: Path, work: Path, runs: int, warmup: int,
+                  threads: int, with_ort: bool = True, with_compile: bool = True,
+                  profile_top: int = 8) -> dict:
+    import torch
+
+    from dsa.stages import passes
+
+    torch.set_num_threads(threads)
+    manifest = load_subject_manifest(subject, root, work)
+    target = read_json(root / "toolchains" / "targets" / f"{target_name}.json")
+    tuning_path = root / "toolchains" / "tuning" / f"{subject.family}.{target_name}.json"
+    tuning = read_json(tuning_path) if tuning_path.exists() else None
+    pythonpath = [str(root)]
+    defaults = list(manifest["model"].get("rewrites", passes.DEFAULT_PASSES))
+
+    variants: Dict[str, Built] = {}
+    variants["default"] = build_variant(subject, manifest, target, None, [], work / "default", pythonpath)
+    variants["rewrites"] = build_variant(subject, manifest, target, None, defaults, work / "rewrites", pythonpath)
+    variants["tuned"] = (build_variant(subject, manifest, target, tuning, defaults, work / "tuned", pythonpath)
+                         if tuning is not None else variants["rewrites"])
+    fired = [name for name, count in variants["tuned"].rewrites.items() if count > 0]
+    for name in fired:
+        rest = [n for n in defaults if n != name]
+        variants[f"-{name}"] = build_variant(subject, manifest, target, tuning, rest, work / f"minus-{name}",
+                                             pythonpath)
+    # A default rewrite the manifest opted out of: the evidence for that choice.
+    for name in passes.DEFAULT_PASSES:
+        if name not in defaults:
+            more = [n for n in passes.PASSES if n in defaults or n == name]
+            built = build_variant(subject, manifest, target, tuning, more, work / f"plus-{name}", pythonpath)
+            if built.rewrites.get(name):
+                variants[f"+{name}"] = built
+
+    eager, names, cases = reference_cases(subject, manifest, variants["tuned"].record)
+    dims = subject.dims(manifest)
+
+    modules = {name: IreeModule(built, target["runtime_driver"]) for name, built in variants.items()}
+    ort = None
+    ort_error = None
+    if with_ort:
+        try:
+            ort = ort_session(eager, cases[0].args, names, work / f"{subject.name}.onnx", threads)
+        except Exception as e:  # reported in the results, not fatal
+            ort_error = _error(e)
+    compiled = None
+    compile_error = None
+    compile_s = None
+    if with_compile:
+        try:
+            compiled = torch.compile(eager)
+        except Exception as e:
+            compile_error = _error(e)
+
+    rows = []
+    for case in cases:
+        inputs, args, ref = case.inputs, case.args, case.ref
+        with torch.no_grad():
+            row = {"case": case.name, "runtimes": {}}
+            fns: Dict[str, Callable[[], object]] = {"eager": lambda: eager(*args)}
+            checks = {"eager": parity(ref, ref)}
+            for name, module in modules.items():
+                checks[f"vmfb:{name}"] = parity(module(inputs), ref)
+                fns[f"vmfb:{name}"] = (lambda m: lambda: m(inputs))(module)
+            if ort is not None:
+                session, feeds = ort
+                feed = {f: np.asarray(inputs[n]) for f, n in zip(feeds, names)}
+                checks["onnxruntime"] = parity(session.run(None, feed)[0], ref)
+                fns["onnxruntime"] = lambda: session.run(None, feed)
+            if compiled is not None and compile_error is None:
+                try:
+                    start = time.perf_counter()
+                    out = compiled(*args).numpy()
+                    if compile_s is None:
+                        compile_s = round(time.perf_counter() - start, 2)
+                    checks["torch.compile"] = parity(out, ref)
+                    fns["torch.compile"] = lambda: compiled(*args)
+                except Exception as e:
+                    compile_error = _error(e)
+            timings = measure_interleaved(fns, warmup=warmup, runs=runs)
+            for name, timing in timings.items():
+                row["runtimes"][name] = dict(timing, parity=checks[name])
+        rows.append(row)
+
+    result = {
+        "model": subject.name,
+        "family": subject.family,
+        "target": target_name,
+        "tuning": str(tuning_path.relative_to(root)) if tuning is not None else None,
+        "ort_goal": subject.ort_goal,
+        "bucket": dims or None,
+        "variants": {
+            name: {"flags": b.flags, "rewrites": b.rewrites, "export_s": b.export_s, "compile_s": b.compile_s,
+                   "vmfb_bytes": b.vmfb_bytes}
+            for name, b in variants.items()
+        },
+        "cases": rows,
+        "errors": {k: v for k, v in {"onnxruntime": ort_error, "torch.compile": compile_error}.items() if v},
+        "torch_compile_s": compile_s,
+    }
+    result["goal"] = goal_status(result)
+    if profile_top and not all(g["met"] for g in result["goal"].values()):
+        result["profile"] = _profile(subject, variants["tuned"], target, root, case=subject.cases[-1],
+                                     top=profile_top)
+    return result
+
+
+def goal_status(result: dict) -> dict:
+    """Per case: vmfb (tuned) / eager ≤ 1.0, and / ONNX Runtime ≤ 1.5 where that goal applies."""
+    status = {}
+    for row in result["cases"]:
+        rt = row["runtimes"]
+        vmfb = rt["vmfb:tuned"]["median_ms"]
+        eager_ratio = vmfb / rt["eager"]["median_ms"]
+        entry = {"vs_eager": round(eager_ratio, 3), "met": eager_ratio <= GOAL_EAGER_RATIO}
+        if "onnxruntime" in rt:
+            ort_ratio = vmfb / rt["onnxruntime"]["median_ms"]
+            entry["vs_onnxruntime"] = round(ort_ratio, 3)
+            if result["ort_goal"]:
+                entry["met"] = entry["met"] and ort_ratio <= GOAL_ORT_RATIO
+        status[row["case"]] = entry
+    return status
+
+
+def _profile(subject: Subject, built: Built, target: dict, root: Path, *, case: dict, top: int):
+    """The profiler's top dispatches of the shipped variant, with the source op and module path."""
+    try:
+        from dsa.tools import profiler as profile
+    except ImportError:
+        return {"error": "dsa.tools.profiler is not available"}
+    try:
+        tuning_path = root / "toolchains" / "tuning" / f"{subject.family}.{target['name']}.json"
+        result = profile.profile_model(
+            subject.manifest, built.irpa, root / "toolchains" / "targets" / f"{target['name']}.json",
+            bucket=subject.bucket, inputs=case, top=top,
+            tuning=read_json(tuning_path) if tuning_path.exists() else None,
+            pythonpath=[str(root)], rewrites=None,
+        )
+        keep = ("total_ms", "dispatch_ms", "dispatch_calls", "flags", "vmfb_sha256", "runs")
+        return dict({k: result[k] for k in keep}, dispatches=result["dispatches"][:top])
+    except Exception as e:  # the profile is evidence for the report; its failure must not hide the numbers
+        return {"error": _error(e)}
+
+
+# -- reports -----------------------------------------------------------------------------------------
+def _ms(entry: Optional[dict]) -> str:
+    if not entry:
+        return "—"
+    mark = "" if entry["parity"]["ok"] else " ✗"
+    return f"{entry['median_ms']:.2f} / {entry['p90_ms']:.2f}{mark}"
+
+
+def _short(items: Sequence[str], keep: int = 3) -> str:
+    if not items:
+        return "—"
+    shown = ", ".join(f"`{i}`" for i in items[:keep])
+    return shown + (f" +{len(items) - keep} more" if len(items) > keep else "")
+
+
+def render_markdown(results: dict) -> str:
+    m = results["machine"]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Generated by `bazel run //bench` (dsa/tools/bench.py) on {results['date']}; do not edit by hand.",
+        "",
+        f"Machine: {m['cpu']}, {m['threads']} threads (AVX-512: {'yes' if m['avx512'] else 'no'}), "
+        f"{m['system']}, Python {m['python']}. CPU target: **{results['target']}**. Batch 1; every runtime "
+        f"uses {m['threads']} threads; {results['warmup']} warm-up calls, then {results['runs']} timed calls.",
+        "Cells are median / p90 in ms; ✗ marks an output outside the parity bound "
+        f"(|x − eager| ≤ {REL_TOL:g}·max(1, |eager|)).",
+        "",
+        "## Latency",
+        "",
+        "| model | case | eager | vmfb default | vmfb rewrites | vmfb tuned | ONNX Runtime | torch.compile "
+        "| tuned / eager | tuned / ORT | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["models"]:
+        for row in r["cases"]:
+            rt = row["runtimes"]
+            g = r["goal"][row["case"]]
+            ort_ratio = f"{g['vs_onnxruntime']:.2f}" if "vs_onnxruntime" in g else "—"
+            lines.append(
+                f"| {r['model']} | {row['case']} | {_ms(rt.get('eager'))} | {_ms(rt.get('vmfb:default'))} "
+                f"| {_ms(rt.get('vmfb:rewrites'))} | {_ms(rt.get('vmfb:tuned'))} | {_ms(rt.get('onnxruntime'))} "
+                f"| {_ms(rt.get('torch.compile'))} | {g['vs_eager']:.2f} | {ort_ratio} "
+                f"| {'met' if g['met'] else '**not met**'} |")
+    lines += [
+        "",
+        f"Goal: vmfb tuned / eager ≤ {GOAL_EAGER_RATIO}; for pi0 and the transformer control also "
+        f"tuned / ONNX Runtime ≤ {GOAL_ORT_RATIO}.",
+        "",
+        "## Graph rewrites: before / after",
+        "",
+        "Each line compares the shipped (tuned) module with the same module built without one rewrite "
+        "(dsa/stages/passes.py), or, for a default rewrite the model's manifest opts out of, with it. Rewrites that "
+        "found nothing to rewrite in a model have no line.",
+        "",
+        "| model | case | rewrite | rewrites made | without (ms) | with (ms) | change |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results["models"]:
+        fired = {k: v for k, v in r["variants"]["tuned"]["rewrites"].items() if v}
+        opted_out = {k[1:]: r["variants"][k]["rewrites"][k[1:]] for k in r["variants"] if k.startswith("+")}
+        for row in r["cases"]:
+            rt = row["runtimes"]
+            pairs = [(name, count, rt.get(f"vmfb:-{name}"), rt["vmfb:tuned"], "") for name, count in fired.items()]
+            pairs += [(name, count, rt["vmfb:tuned"], rt.get(f"vmfb:+{name}"), " (not used: manifest opts out)")
+                      for name, count in opted_out.items()]
+            for name, count, without, with_, note in pairs:
+                if without is None or with_ is None:
+                    continue
+                change = (with_["median_ms"] - without["median_ms"]) / without["median_ms"] * 100
+                lines.append(f"| {r['model']} | {row['case']} | `{name}`{note} | {count} "
+                             f"| {without['median_ms']:.2f} | {with_['median_ms']:.2f} | {change:+.1f}% |")
+    lines += ["", "## Builds", "", "| model | variant | export s | compile s | vmfb bytes | flags beyond the target's |",
+              "|---|---|---|---|---|---|"]
+    for r in results["models"]:
+        base = set(r["variants"]["default"]["flags"])
+        for name, v in r["variants"].items():
+            extra = " ".join(f"`{f}`" for f in v["flags"] if f not in base) or "—"
+            lines.append(f"| {r['model']} | {name} | {v['export_s']} | {v['compile_s']} | {v['vmfb_bytes']} | {extra} |")
+    for r in results["models"]:
+        if r.get("errors"):
+            lines += ["", f"{r['model']}: not measured — " + "; ".join(f"{k}: {v}" for k, v in r["errors"].items())]
+    short = [r for r in results["models"] if "profile" in r]
+    if short:
+        lines += ["", "## Where models fall short", ""]
+        for r in short:
+            lines += [f"### {r['model']} (tuned, {r['target']})", ""]
+            prof = r["profile"]
+            if "error" in prof:
+                lines += [f"Profile unavailable: {prof['error']}", ""]
+                continue
+            lines += ["| # | dispatch | share | total ms | source ops | module paths |", "|---|---|---|---|---|---|"]
+            for i, d in enumerate(prof.get("dispatches", []), 1):
+                lines.append(f"| {i} | `{d['name']}` | {d.get('percent', 0):.1f}% | {d.get('total_ms', 0):.3f} "
+                             f"| {_short(d.get('ops', []))} | {_short(d.get('module_paths', []))} |")
+            lines += ["", f"Profiled wall time {prof['total_ms']:.2f} ms per call, of which dispatches "
+                      f"{prof['dispatch_ms']:.2f} ms in {prof['dispatch_calls']:.0f} calls (IREE host-execution "
+                      "profiling; `~` marks a module path inferred inside a loop body).", ""]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def render_chart(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, series = [], {}
+    keys = [("eager", "eager PyTorch"), ("vmfb:default", "vmfb default"), ("vmfb:tuned", "vmfb tuned"),
+            ("onnxruntime", "ONNX Runtime"), ("torch.compile", "torch.compile")]
+    for r in results["models"]:
+        for row in r["cases"]:
+            labels.append(f"{r['model']}\n{row['case']}")
+            for key, _ in keys:
+                series.setdefault(key, []).append(row["runtimes"].get(key, {}).get("median_ms", 0.0))
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(labels)), 4), dpi=100)
+    width = 0.8 / len(keys)
+    for i, (key, title) in enumerate(keys):
+        xs = [x + (i - len(keys) / 2 + 0.5) * width for x in range(len(labels))]
+        ax.bar(xs, series[key], width, label=title)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("median latency (ms), batch 1")
+    ax.set_title(f"{results['machine']['cpu']}, {results['machine']['threads']} threads, target {results['target']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "chart.png"
+        # A fixed metadata dict keeps the PNG free of the software version and date.
+        fig.savefig(out, metadata={"Software": None})
+        write_bytes_atomic(path, out.read_bytes())
+    plt.close(fig)
+
+
+# -- entry point -------------------------------------------------------------------------------------
+def workspace_root() -> Path:
+    """Where results are written: the workspace `bazel run` was called from, else this checkout."""
+    return Path(os.environ.get("BUILD_WORKSPACE_DIRECTORY") or Path(__file__).resolve().parents[2])
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="dsa bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", help="subjects to run (default: all in bench/subjects.json)")
+    parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--target", default="auto", help="CPU target (default: the best this machine runs)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--out-dir", type=Path, help="default: <workspace>/bench")
+    parser.add_argument("--root", type=Path, help="checkout to read models and toolchains from")
+    parser.add_argument("--no-profile", action="store_true")
+    a = parser.parse_args(argv)
+    if a.runs < 30:
+        print(f"dsa-bench: note: {a.runs} runs per measurement (the published tables use >= 30)")
+    # Not resolved: under `bazel run` this file is a runfiles symlink, and the runfiles tree (not the source
+    # tree it points into) holds the generated checkpoints.
+    root = a.root or Path(os.path.abspath(__file__)).parents[2]
+    out_dir = a.out_dir or workspace_root() / "bench"
+    target = best_target(cpu_flags()) if a.target == "auto" else a.target
+    if not (root / "toolchains" / "targets" / f"{target}.json").exists():
+        raise DsaError("--target", f"unknown target '{target}'",
+                       f"choose one of {sorted(p.stem for p in (root / 'toolchains' / 'targets').glob('*.json'))}")
+    subjects = load_subjects(root / "bench" / "subjects.json", root)
+    if a.models:
+        unknown = sorted(set(a.models) - {s.name for s in subjects})
+        if unknown:
+            raise DsaError("--models", f"no bench subject {', '.join(unknown)}",
+                           f"known: {', '.join(s.name for s in subjects)}")
+        subjects = [s for s in subjects if s.name in a.models]
+    _set_iree_threads(a.threads)
+    results = {
+        "format": RESULTS_FORMAT,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine_info(a.threads),
+        "target": target,
+        "runs": a.runs,
+        "warmup": a.warmup,
+        "models": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="dsa-bench-") as tmp:
+        for subject in subjects:
+            print(f"dsa-bench: {subject.name} …", flush=True)
+            results["models"].append(bench_subject(
+                subject, target_name=target, root=root, work=Path(tmp) / subject.name, runs=a.runs,
+                warmup=a.warmup, threads=a.threads, profile_top=0 if a.no_profile else 8))
+    write_json_atomic(out_dir / "results.json", results)
+    text = render_markdown(results)
+    write_bytes_atomic(out_dir / "RESULTS.md", text.encode("utf-8"))
+    render_chart(results, out_dir / "results.png")
+    print(text)
+    print(f"dsa-bench: wrote {out_dir / 'RESULTS.md'}, results.json, results.png")
+
+
+def _set_iree_threads(threads: int) -> None:
+    """IREE's local-task driver: one worker per requested thread, like torch and ONNX Runtime."""
+    import iree.runtime as rt
+
+    try:
+        rt.flags.parse_flags(f"--task_topology_max_group_count={threads}")
+    except Exception:  # flag absent in this runtime: it then uses one worker per core
+        pass
+
+
+if __name__ == "__main__":
+    run_cli(main, "dsa bench")

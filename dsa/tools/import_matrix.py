@@ -1,0 +1,725 @@
+"""dsa-import-matrix: every model × (export, compile, parity, sizes, compile time, peak RSS, latency), generated.
+
+    ./bazelw test //models/...                    # first: the parity cells are the models' own test results
+    ./bazelw run //tools:import_matrix [-- --models act,pi0] [--no-measure] [--out-dir DIR] [--runs 10]
+
+Writes docs/import-matrix.md (the table, how it was made, machine, CPU, date, command), docs/import-matrix.json
+(the collected data the table is rendered from) and the same table into README.md between the lines
+`<!-- import-matrix:begin -->` and `<!-- import-matrix:end -->`. Nothing in the table is typed by hand:
+
+  export / compile   the module index's export records (and MLIR) / vmfbs are present in the build outputs
+  parity             the model's Bazel test (bazel-testlogs/<pkg>/<test>/test.xml): passed, failed or not run
+  vmfb, MLIR         summed over the model's modules (one per shape bucket); irpa: the parameter archive
+  params             parameter_count of the export record
+  compile, peak RSS  measured here: `iree-compile` re-run on one module's built MLIR with exactly the flags of
+                     its compile report, in a child process whose peak RSS is its wait4 rusage (ru_maxrss);
+                     the re-run's vmfb must be byte-identical to the built one (a mismatch is reported loudly
+                     and makes the command fail after writing)
+  latency            measured here: `iree-benchmark-module` on the same module's built vmfb and the parameter
+                     archive, with deterministic sample inputs from its export record (dsa.runtime.policy.
+                     sample_inputs; dynamic dims at their smallest size, bucketed dims at the module's bucket,
+                     the step-count input at the manifest's flow_steps); median of --runs single-call
+                     repetitions after one warm-up call
+
+The measured module is the smallest bucket of a bucketed model (the module the runtime picks for the shortest
+input). A split policy (dsa_pipeline, e.g. //models:groot) gets one row per stage. `--no-measure` renders from
+the build and test outputs alone (the measured cells then read "not measured").
+
+Outputs are read from the runfiles tree under `bazel run` (the models are this binary's data) or from --bin;
+test results from the testlogs directory beside the bin directory (or --testlogs), so it works with any
+--output_base and with --symlink_prefix=/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from dsa.core.errors import DsaError, run_cli
+
+DATA_FORMAT = 1
+BEGIN_MARKER = "<!-- import-matrix:begin -->"
+END_MARKER = "<!-- import-matrix:end -->"
+DEFAULT_RUNS = 10
+NOT_RUN = "not run"
+MISSING = "–"
+NOT_MEASURED = "not measured"
+
+
+# -- the models --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One model of models/BUILD.bazel: its dsa_vmfb (or dsa_pipeline) name and the test that checks parity."""
+
+    name: str
+    test: str                         # Bazel label of the parity test
+    stages: Tuple[str, ...] = ()      # a dsa_pipeline: its stages (dsa_vmfb names) when no pipeline.json is built
+
+    @property
+    def is_pipeline(self) -> bool:
+        return bool(self.stages)
+
+
+# The policies index //models:policies_index writes (dsa_policies: discovered from the dsa_policy targets of
+# models/BUILD.bazel, never listed by hand). Row order: the policies in BUILD order, then the pipelines; a
+# policy that is a pipeline's stage is part of the pipeline's row.
+POLICIES_INDEX = "models/policies_index.json"
+POLICIES_INDEX_FORMAT = 1
+
+
+def read_models(bin_dir: Path) -> List[ModelSpec]:
+    """The table's rows, from the policies index under `bin_dir`."""
+    path = bin_dir / POLICIES_INDEX
+    if not path.is_file():
+        raise DsaError(str(path), "no policies index", "build it: `./bazelw build //models:policies_index` "
+                       "(or run `./bazelw run //tools:import_matrix`, which builds every policy)")
+    index = json.loads(path.read_text())
+    if index.get("format") != POLICIES_INDEX_FORMAT:
+        raise DsaError(str(path), f"policies index format {index.get('format')!r} is not supported",
+                       f"this release reads format {POLICIES_INDEX_FORMAT}; rebuild //models:policies_index")
+    staged = {stage for p in index["pipelines"] for stage in p["stages"]}
+    rows = [ModelSpec(p["name"], p["test"]) for p in index["policies"] if p["name"] not in staged]
+    rows += [ModelSpec(p["name"], p["test"], stages=tuple(p["stages"])) for p in index["pipelines"]]
+    return rows
+
+
+# -- test results --------------------------------------------------------------------------------------------
+def test_xml_dir(testlogs: Path, label: str) -> Path:
+    """bazel-testlogs/<pkg>/<name> for `//pkg:name`."""
+    package, _, name = label.lstrip("/").partition(":")
+    return testlogs / package / name
+
+
+def parse_test_result(test_dir: Path) -> dict:
+    """A Bazel test's result from its test.xml files (one per shard/run): {"status": "passed" | "failed" |
+    "not run", "tests", "failures", "skipped", "date"}. JUnit XML as pytest writes it, or as Bazel writes it for
+    a test that wrote none (a crash or timeout: one failed testcase)."""
+    files = sorted(test_dir.rglob("test.xml")) if test_dir.is_dir() else []
+    if not files:
+        return {"status": NOT_RUN, "tests": 0, "failures": 0, "skipped": 0, "date": None}
+    tests = failures = skipped = 0
+    for path in files:
+        try:
+            root = ET.parse(path).getroot()
+        except ET.ParseError as e:
+            raise DsaError(str(path), f"is not readable JUnit XML: {e}", "re-run the test") from None
+        suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+        for suite in suites:
+            cases = list(suite.iter("testcase"))
+            if cases:
+                tests += len(cases)
+                failures += sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
+                skipped += sum(1 for c in cases if c.find("skipped") is not None)
+            else:
+                tests += int(suite.get("tests", 0) or 0)
+                failures += int(suite.get("failures", 0) or 0) + int(suite.get("errors", 0) or 0)
+                skipped += int(suite.get("skipped", 0) or 0)
+    date = datetime.datetime.fromtimestamp(max(p.stat().st_mtime for p in files)).strftime("%Y-%m-%d %H:%M")
+    status = "passed" if tests > 0 and failures == 0 else "failed"
+    return {"status": status, "tests": tests, "failures": failures, "skipped": skipped, "date": date}
+
+
+# -- build outputs -------------------------------------------------------------------------------------------
+def _mlir_of(record: Path) -> Path:
+    """The MLIR a module was compiled from: dsa_model's M/model.mlir beside M/export_record.json, or dsa_bucket's
+    B/<stem>.mlir beside B/<stem>.export_record.json."""
+    if record.name == "export_record.json":
+        return record.parent / "model.mlir"
+    return record.parent / (record.name[: -len(".export_record.json")] + ".mlir")
+
+
+def _report_of(vmfb: Path) -> Path:
+    """dsa_vmfb's compile report beside each vmfb: X/<stem>.compile_report.json."""
+    return vmfb.parent / (vmfb.name[: -len(".vmfb")] + ".compile_report.json")
+
+
+def _size(path: Path) -> Optional[int]:
+    return path.stat().st_size if path.is_file() else None
+
+
+def _sum(values: Sequence[Optional[int]]) -> Optional[int]:
+    return None if not values or any(v is None for v in values) else sum(values)
+
+
+def module_units(spec: ModelSpec, bin_dir: Path) -> List[str]:
+    """The dsa_vmfb names behind one model: itself, or a pipeline's stages (from its pipeline.json if built)."""
+    if not spec.is_pipeline:
+        return [spec.name]
+    pipeline = bin_dir / "models" / f"{spec.name}.pipeline.json"
+    if pipeline.is_file():
+        return [stage["name"] for stage in json.loads(pipeline.read_text())["stages"]]
+    return list(spec.stages)
+
+
+@dataclasses.dataclass
+class Unit:
+    """The build outputs of one dsa_vmfb, as its module index names them."""
+
+    name: str
+    index: Optional[dict]
+    base: Path
+    modules: List[dict]  # {"vmfb", "record", "mlir", "report"} as paths; the smallest bucket first
+
+
+def read_unit(bin_dir: Path, name: str) -> Unit:
+    from dsa.runtime.policy import read_module_index
+
+    base = bin_dir / "models"
+    path = base / f"{name}.modules.json"
+    if not path.is_file():
+        return Unit(name, None, base, [])
+    index = read_module_index(path)
+    modules = []
+    for m in index["modules"]:
+        vmfb, record = base / m["vmfb"], base / m["record"]
+        modules.append({"vmfb": vmfb, "record": record, "mlir": _mlir_of(record), "report": _report_of(vmfb)})
+
+    def bucket_size(m: dict) -> int:
+        # As CompiledPolicy orders its modules: smallest bucket first.
+        if not m["record"].is_file():
+            return 0
+        bucket = json.loads(m["record"].read_text()).get("bucket")
+        return bucket["size"] if bucket else 0
+
+    modules.sort(key=bucket_size)
+    return Unit(name, index, base, modules)
+
+
+def collect_files(spec: ModelSpec, unit: Unit, test: dict) -> dict:
+    """One table row from the build and test outputs alone (nothing measured)."""
+    row = {
+        "model": spec.name, "module": unit.name, "label": f"//models:{unit.name}", "test": spec.test,
+        "pipeline": spec.name if spec.is_pipeline else None,
+        "parity": test, "modules": len(unit.modules), "built": unit.index is not None,
+        "export": False, "compile": False, "vmfb_bytes": None, "mlir_bytes": None, "irpa_bytes": None,
+        "parameter_count": None, "target": None, "measured": None, "notes": [],
+    }
+    if unit.index is None:
+        # Not built (or not among this binary's data): the export stage may still have run on its own.
+        record = unit.base / f"{unit.name}_model" / "export_record.json"
+        row["export"] = record.is_file() and _mlir_of(record).is_file()
+        if row["export"]:
+            row["parameter_count"] = json.loads(record.read_text()).get("parameter_count")
+            row["mlir_bytes"] = _size(_mlir_of(record))
+        row["notes"].append(f"{unit.name}.modules.json not found: not built")
+        return row
+    records = [m["record"] for m in unit.modules]
+    row["export"] = bool(records) and all(p.is_file() and m["mlir"].is_file()
+                                          for p, m in zip(records, unit.modules))
+    row["compile"] = bool(unit.modules) and all(m["vmfb"].is_file() and m["report"].is_file()
+                                                for m in unit.modules)
+    row["vmfb_bytes"] = _sum([_size(m["vmfb"]) for m in unit.modules])
+    row["mlir_bytes"] = _sum([_size(m["mlir"]) for m in unit.modules])
+    row["irpa_bytes"] = _size(unit.base / unit.index["parameter_archive"])
+    row["target"] = unit.index.get("target")
+    if records and records[0].is_file():
+        row["parameter_count"] = json.loads(records[0].read_text()).get("parameter_count")
+    return row
+
+
+# -- measurement: compile time and peak RSS ----------------------------------------------------------------
+# The measured child is started by this small launcher, not by this process: Linux carries a process's
+# peak-RSS record across execve, and a child forked (or vforked) from a large parent starts with the parent's
+# resident set as its high-water mark, so ru_maxrss would report at least this process's own size. The launcher
+# (a bare interpreter, ~10 MB) forks and execs the command and reports its wait4 rusage.
+_WAIT4_LAUNCHER = r"""
+import json, os, sys, time
+cmd = json.loads(sys.argv[1])
+start = time.monotonic()
+pid = os.fork()
+if pid == 0:
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.execvp(cmd[0], cmd)
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+wall = time.monotonic() - start
+print(json.dumps({"returncode": os.waitstatus_to_exitcode(status), "wall_s": wall,
+                  "peak_rss_kib": usage.ru_maxrss}))
+"""
+
+
+def run_measured(cmd: Sequence[str]) -> dict:
+    """Runs `cmd` as a child process reaped with os.wait4: {"returncode", "wall_s", "peak_rss_kib" (its
+    rusage ru_maxrss, KiB on Linux), "stderr"}. Its stdout is discarded. Raises nothing for a failing command."""
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.run([sys.executable, "-S", "-c", _WAIT4_LAUNCHER, json.dumps(list(cmd))],
+                              stdout=subprocess.PIPE, stderr=err)
+        err.seek(0)
+        stderr = err.read().decode("utf-8", "replace")
+    try:
+        result = json.loads(proc.stdout.decode("utf-8").strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise DsaError("dsa-import-matrix", f"the measuring launcher failed (exit {proc.returncode})",
+                       stderr.strip()[-300:] or "no message") from None
+    result["peak_rss_kib"] = int(result["peak_rss_kib"])
+    result["stderr"] = stderr
+    return result
+
+
+def measure_compile(module: dict, work: Path, where: str) -> dict:
+    """Re-runs iree-compile on a module's built MLIR with exactly its compile report's flags; compares bytes."""
+    from dsa.stages.compile import _first_error, _iree_compile  # the build's own compiler binary and error digest
+    from dsa.core.fileio import sha256_file
+
+    report = json.loads(module["report"].read_text())
+    mlir_sha = sha256_file(module["mlir"])
+    if report.get("mlir_sha256") not in (None, mlir_sha):
+        raise DsaError(where, f"{module['mlir'].name} is not the MLIR its compile report names "
+                       f"({mlir_sha[:12]} vs {report['mlir_sha256'][:12]})", "rebuild the model")
+    out = work / "rerun.vmfb"
+    cmd = [_iree_compile(), str(module["mlir"]), *report["flags"], "-o", str(out)]
+    result = run_measured(cmd)
+    if result["returncode"] != 0:
+        raise DsaError(where, f"iree-compile failed on re-run: {_first_error(result['stderr']).strip()}",
+                       f"reproduce with: {shlex.join(cmd)}")
+    built = module["vmfb"].read_bytes()
+    rerun = out.read_bytes()
+    return {
+        "compile_s": result["wall_s"],
+        "peak_rss_kib": result["peak_rss_kib"],
+        "identical": built == rerun,
+        "vmfb_sha256": sha256_file(out),
+        "built_sha256": report.get("vmfb_sha256"),
+        "flags": report["flags"],
+    }
+
+
+# -- measurement: latency ------------------------------------------------------------------------------------
+def sample_sizes(record: dict) -> Dict[str, int]:
+    """Sizes of the named dims for the benchmark: each dynamic dim at its smallest size (the bucketed dim of a
+    bucketed module stays at its bucket)."""
+    return {dim: int(bounds.get("min", 1)) for dim, bounds in (record.get("dynamic_dims") or {}).items()}
+
+
+def sample_values(record: dict, flow_steps: Optional[int]) -> Tuple[dict, str]:
+    """Deterministic inputs for a record (dsa.runtime.policy.sample_inputs, the export's example seed) and a short
+    description ("batch=1, steps=10"); the step-count input (an integer scalar with a value range) at
+    flow_steps, clamped to its range."""
+    import numpy as np
+
+    from dsa.runtime.policy import sample_inputs
+
+    sizes = sample_sizes(record)
+    values = sample_inputs(record, sizes, np.random.default_rng(0))
+    described = [f"{dim}={size}" for dim, size in sorted(sizes.items())]
+    if record.get("bucket"):
+        described.insert(0, f"{record['bucket']['dim']}={record['bucket']['size']}")
+    for spec in record["inputs"]:
+        if "value_range" in spec and flow_steps is not None:
+            lo, hi = spec["value_range"]
+            steps = min(max(int(flow_steps), lo), hi)
+            values[spec["name"]] = np.array(steps, dtype=spec["dtype"])
+            described.append(f"{spec['name']}={steps}")
+    return values, ", ".join(described)
+
+
+def benchmark_command(vmfb: Path, *, driver: str, irpa: Path, scope: str, function: str, inputs: Sequence[str],
+                      runs: int, threads: int) -> List[str]:
+    from dsa.tools.profiler import _runtime_tool  # iree-base-runtime's own tools, as dsa-profile finds them
+
+    return [_runtime_tool("iree-benchmark-module"), f"--module={vmfb}", f"--device={driver}",
+            f"--parameters={scope}={irpa}", f"--function={function}", *inputs,
+            f"--task_topology_max_group_count={threads}",
+            "--benchmark_min_time=1x", f"--benchmark_repetitions={runs}",
+            "--benchmark_report_aggregates_only=false", "--benchmark_format=json"]
+
+
+def parse_benchmark(stdout: str) -> List[float]:
+    """Per-repetition wall times (ms) from iree-benchmark-module's google-benchmark JSON."""
+    data = json.loads(stdout[stdout.index("{"):])
+    samples = []
+    for b in data["benchmarks"]:
+        if b.get("error_occurred"):
+            raise ValueError(b.get("error_message", "benchmark error"))
+        if b.get("run_type", "iteration") != "iteration":
+            continue
+        unit = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[b.get("time_unit", "ns")]
+        samples.append(float(b["real_time"]) * unit)
+    if not samples:
+        raise ValueError("no timed repetitions")
+    return samples
+
+
+def measure_latency(unit: Unit, module: dict, work: Path, *, runs: int, threads: int, where: str) -> dict:
+    from dsa.tools.profiler import _input_flags
+
+    record = json.loads(module["record"].read_text())
+    runtime_view = json.loads((unit.base / unit.index["runtime_view"]).read_text())
+    target_spec = json.loads((unit.base / unit.index["target_spec"]).read_text())
+    values, described = sample_values(record, runtime_view.get("flow_steps"))
+    described = described or "static shapes"
+    specs = [argparse.Namespace(name=s["name"], dtype=s["dtype"]) for s in record["inputs"]]
+    inputs = _input_flags(specs, values, work)
+    irpa = unit.base / unit.index["parameter_archive"]
+    common = dict(driver=target_spec["runtime_driver"], irpa=irpa, scope=unit.index["parameter_scope"],
+                  function=record.get("function", "main"), inputs=inputs, threads=threads)
+    # One process: the first repetition (parameter upload, cold caches) is the warm-up and is dropped.
+    cmd = benchmark_command(module["vmfb"], runs=runs + 1, **common)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        samples = parse_benchmark(proc.stdout)[1:]
+        if proc.returncode != 0 or not samples:
+            raise ValueError(f"exit status {proc.returncode}")
+    except (ValueError, KeyError) as e:
+        lines = (proc.stderr + "\n" + proc.stdout).strip().splitlines() or [str(e)]
+        message = next((l for l in lines if "error" in l.lower()), lines[-1])
+        raise DsaError(where, f"iree-benchmark-module failed: {message.strip()[:300]}",
+                       f"reproduce with: {shlex.join(cmd)}") from None
+    return {"latency_ms": statistics.median(samples), "latency_runs": len(samples), "threads": threads,
+            "driver": target_spec["runtime_driver"], "inputs": described}
+
+
+def measure_row(row: dict, unit: Unit, *, runs: int, threads: int) -> None:
+    """Adds the measured cells to `row` (one module: the smallest bucket); failures become notes."""
+    if not row["compile"] or not row["export"]:
+        return
+    module = unit.modules[0]
+    name = module["vmfb"].name[: -len(".vmfb")]
+    where = f"//models:{unit.name} ({name})"
+    row["measured"] = {"module": name}
+    with tempfile.TemporaryDirectory(prefix="dsa-import-matrix-") as tmp:
+        try:
+            row["measured"].update(measure_compile(module, Path(tmp), where))
+        except DsaError as e:
+            row["notes"].append(f"compile re-run: {e}")
+        try:
+            row["measured"].update(measure_latency(unit, module, Path(tmp), runs=runs, threads=threads,
+                                                   where=where))
+        except DsaError as e:
+            row["notes"].append(f"latency: {e}")
+
+
+def collect(models: Sequence[ModelSpec], bin_dir: Path, testlogs: Path, *, measure: bool, runs: int,
+            threads: int, log=print) -> List[dict]:
+    rows = []
+    for spec in models:
+        test = parse_test_result(test_xml_dir(testlogs, spec.test))
+        for name in module_units(spec, bin_dir):
+            unit = read_unit(bin_dir, name)
+            row = collect_files(spec, unit, test)
+            if measure and unit.index is not None:
+                log(f"dsa-import-matrix: //models:{name} …")
+                measure_row(row, unit, runs=runs, threads=threads)
+            rows.append(row)
+    return rows
+
+
+# -- rendering (pure functions of the collected data) -------------------------------------------------------
+def fmt_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return MISSING
+    if n < 1000:
+        return f"{n} B"
+    if n < 1000 ** 2:
+        return f"{n / 1000:.1f} kB"
+    if n < 1000 ** 3:
+        return f"{n / 1000 ** 2:.{2 if n < 10 * 1000 ** 2 else 1}f} MB"
+    return f"{n / 1000 ** 3:.2f} GB"
+
+
+def fmt_count(n: Optional[int]) -> str:
+    if n is None:
+        return MISSING
+    if n >= 10 ** 9:
+        return f"{n / 1e9:.2f} B"
+    if n >= 10 ** 6:
+        return f"{n / 1e6:.2f} M"
+    if n >= 10 ** 3:
+        return f"{n / 1e3:.1f} k"
+    return str(n)
+
+
+def fmt_ms(ms: float) -> str:
+    return f"{ms:.0f} ms" if ms >= 1000 else f"{ms:.1f} ms" if ms >= 100 else f"{ms:.2f} ms" if ms >= 1 \
+        else f"{ms:.3f} ms"
+
+
+def _check(ok: bool) -> str:
+    return "✓" if ok else "✗"
+
+
+def fmt_parity(test: dict) -> str:
+    if test["status"] == NOT_RUN:
+        return NOT_RUN
+    if test["status"] == "passed":
+        return f"✓ {test['tests']} passed"
+    return f"✗ {test['failures']} of {test['tests']} failed"
+
+
+def row_cells(row: dict) -> List[str]:
+    measured = row.get("measured") or {}
+    model = row["model"]
+    if row.get("pipeline") is not None:  # a stage of a split policy: groot › backbone
+        stage = row["module"]
+        model += " › " + (stage[len(model) + 1:] if stage.startswith(model + "_") else stage)
+    compile_cell = _check(row["compile"])
+    if row["compile"] and measured.get("identical") is False:
+        compile_cell = "✗ re-run differs"
+    if row["compile"] and row["modules"] > 1:
+        compile_cell += f" ({row['modules']} modules)"
+    if not row["compile"]:
+        timing = [MISSING, MISSING, MISSING]
+    elif measured:
+        timing = [f"{measured['compile_s']:.1f} s" if "compile_s" in measured else "failed",
+                  f"{measured['peak_rss_kib'] / 1024:.0f} MiB" if "peak_rss_kib" in measured else "failed",
+                  fmt_ms(measured["latency_ms"]) if "latency_ms" in measured else "failed"]
+    else:
+        timing = [NOT_MEASURED] * 3
+    measured_on = MISSING
+    if measured:
+        measured_on = measured["module"] + (f" ({measured['inputs']})" if measured.get("inputs") else "")
+    return [f"`{model}`", _check(row["export"]), compile_cell, fmt_parity(row["parity"]),
+            fmt_bytes(row["vmfb_bytes"]), fmt_bytes(row["irpa_bytes"]), fmt_bytes(row["mlir_bytes"]),
+            fmt_count(row["parameter_count"]), *timing, measured_on]
+
+
+HEADER = ["model", "export", "compile", "parity", "vmfb", "irpa", "MLIR", "params", "compile time", "peak RSS",
+          "latency (median)", "measured on"]
+_RIGHT = {"vmfb", "irpa", "MLIR", "params", "compile time", "peak RSS", "latency (median)"}
+
+
+def render_table(data: dict) -> str:
+    """The matrix as a Markdown table (with a one-line caption naming the machine and the notes)."""
+    lines = ["| " + " | ".join(HEADER) + " |",
+             "|" + "|".join("---:" if h in _RIGHT else "---" for h in HEADER) + "|"]
+    for row in data["rows"]:
+        lines.append("| " + " | ".join(row_cells(row)) + " |")
+    machine = data["machine"]
+    caption = (f"Generated {data['date']} by `{data['command']}` on {machine['cpu']} "
+               f"({machine['threads']} threads, target {data['target'] or MISSING}); ")
+    if data["measure"]:
+        caption += (f"latency: median of {data['runs']} `iree-benchmark-module` calls of the measured module; "
+                    "compile time and peak RSS: `iree-compile` re-run on its MLIR with its build flags.")
+    else:
+        caption += "rendered from build and test outputs only (`--no-measure`)."
+    lines += ["", caption]
+    notes = [(row, note) for row in data["rows"] for note in row["notes"]]
+    mismatched = [row for row in data["rows"] if (row.get("measured") or {}).get("identical") is False]
+    for row in mismatched:
+        notes.append((row, "**the re-compiled vmfb is not byte-identical to the built one** "
+                           f"(built {row['measured']['built_sha256']}, re-run {row['measured']['vmfb_sha256']})"))
+    if notes:
+        lines.append("")
+        lines += [f"* `{row['module']}`: {note}" for row, note in notes]
+    return "\n".join(lines) + "\n"
+
+
+def render_document(data: dict) -> str:
+    """docs/import-matrix.md: the table, then how it was generated."""
+    machine = data["machine"]
+    return "\n".join([
+        "# Import matrix",
+        "",
+        "<!-- Generated by dsa/tools/import_matrix.py (`bazel run //tools:import_matrix`): do not edit by hand. -->",
+        "",
+        "Every model in `models/BUILD.bazel` through the pipeline: torch.export → iree-turbine → iree-compile "
+        "→ IREE runtime.",
+        "",
+        render_table(data),
+        "## Columns",
+        "",
+        "* **export**: the model's export records and MLIR are in the build outputs (dsa_model / dsa_bucket).",
+        "* **compile**: every module the index lists has its vmfb and compile report (dsa_vmfb); "
+        "\"re-run differs\" if the re-compiled vmfb is not byte-identical to the built one.",
+        "* **parity**: the model's Bazel test (`bazel-testlogs/<pkg>/<test>/test.xml`): the compiled module "
+        "against eager PyTorch (or LeRobot). \"not run\" when the test has no result in this output base.",
+        "* **vmfb**, **MLIR**: summed over the model's modules (one per shape bucket); **irpa**: the parameter "
+        "archive; **params**: the export record's parameter count. kB/MB/GB are powers of 1000.",
+        "* **compile time**, **peak RSS**: `iree-compile` re-run on the measured module's MLIR with exactly the "
+        "flags of its compile report, as a child process; peak RSS is its `wait4` rusage `ru_maxrss` (MiB; it "
+        "includes the ~7 MB that the small launcher process forking it had resident). Wall time on a machine "
+        "that may be shared: a rough figure, not a benchmark.",
+        "* **latency (median)**: `iree-benchmark-module` on the built vmfb and parameter archive: one untimed "
+        "call, then the median of single-call repetitions; inputs from `dsa.runtime.policy.sample_inputs` (seed 0) "
+        "with the sizes in **measured on** (dynamic dims at their smallest size, bucketed inputs at the "
+        "module's bucket, the step-count input at the manifest's `flow_steps`).",
+        "* **measured on**: the module measured (a bucketed model: its smallest bucket) and its input sizes.",
+        "",
+        "## How it was generated",
+        "",
+        "```sh",
+        "./bazelw test //models/...            # the parity cells",
+        data["command"],
+        "```",
+        "",
+        f"* date: {data['date']}",
+        f"* machine: {machine['cpu']}; {machine['cores']} cores available, {machine['threads']} benchmark "
+        f"threads; {machine['system']}; load average {machine['loadavg']} at the start",
+        f"* target: {data['target'] or MISSING}; iree-base-compiler {data['toolchain'].get('iree-base-compiler', MISSING)}, "
+        f"iree-base-runtime {data['toolchain'].get('iree-base-runtime', MISSING)}",
+        f"* latency repetitions: {data['runs']}" if data["measure"] else "* not measured (`--no-measure`)",
+        "",
+    ])
+
+
+def replace_marked(text: str, table: str) -> str:
+    """`text` with everything between the import-matrix markers replaced by `table`; with no markers, an
+    "Import matrix" section is added before "## Using the rules in your workspace" (else at the end)."""
+    block = f"{BEGIN_MARKER}\n{table.rstrip()}\n{END_MARKER}"
+    begin, end = text.find(BEGIN_MARKER), text.find(END_MARKER)
+    if begin >= 0 and end > begin:
+        return text[:begin] + block + text[end + len(END_MARKER):]
+    if begin >= 0 or end >= 0:
+        raise DsaError("README.md", "has only one of the import-matrix markers",
+                       f"put both {BEGIN_MARKER} and {END_MARKER} on lines of their own, or neither")
+    section = ("## Import matrix\n\n"
+               "Every model through export, compile, parity and the runtime, generated (never typed) by\n"
+               "`./bazelw run //tools:import_matrix` after `./bazelw test //models/...`; columns, method and\n"
+               "machine: [docs/import-matrix.md](docs/import-matrix.md).\n\n" + block + "\n\n")
+    anchor = re.search(r"^## Using the rules in your workspace", text, re.M)
+    if anchor:
+        return text[:anchor.start()] + section + text[anchor.start():]
+    return text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+
+
+# -- entry point --------------------------------------------------------------------------------------------
+def _script_root() -> Path:
+    # Not resolved: under `bazel run` this file is a runfiles symlink, and the runfiles tree holds the outputs.
+    return Path(os.path.abspath(__file__)).parents[2]
+
+
+def workspace_root() -> Path:
+    """Where the docs are written: the workspace `bazel run` was called from, else this checkout."""
+    return Path(os.environ.get("BUILD_WORKSPACE_DIRECTORY") or Path(__file__).resolve().parents[2])
+
+
+def _in_runfiles(root: Path) -> bool:
+    return any(part.endswith(".runfiles") for part in root.parts)
+
+
+def default_dirs(root: Path, workspace: Path) -> Tuple[Path, Path]:
+    """(bin, testlogs): under `bazel run`, the runfiles tree when it holds the models (//tools:import_matrix),
+    else the bin directory holding the runfiles tree (//tools:import_matrix_files: whatever this output base
+    has built), and the testlogs beside that bin directory, so any --output_base and --symlink_prefix work;
+    outside Bazel, the workspace's bazel-bin and bazel-testlogs."""
+    if _in_runfiles(root):
+        for parent in root.parents:
+            if parent.name == "bin" and not _in_runfiles(parent):
+                models = root / "models"
+                holds = models.is_dir() and any(models.glob("*.modules.json"))
+                return (root if holds else parent), parent.parent / "testlogs"
+    return workspace / "bazel-bin", workspace / "bazel-testlogs"
+
+
+def _toolchain() -> dict:
+    from importlib import metadata
+
+    versions = {}
+    for package in ("iree-base-compiler", "iree-base-runtime"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def _machine(threads: int) -> dict:
+    from dsa.tools.bench import cpu_model
+
+    return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "threads": threads,
+            "system": f"{platform.system()} {platform.release()}",
+            "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+
+
+def select_models(names: Optional[str], models: Sequence[ModelSpec]) -> List[ModelSpec]:
+    if not names:
+        return list(models)
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = {m.name: m for m in models}
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise DsaError("--models", f"no model {', '.join(unknown)}", f"known: {', '.join(known)}")
+    return [m for m in models if m.name in wanted]
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    from dsa.core.fileio import read_json, write_bytes_atomic, write_json_atomic
+
+    parser = argparse.ArgumentParser(prog="dsa import-matrix", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", help="comma-separated rows to include (default: every policy and pipeline "
+                        "of the policies index, //models:policies_index)")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="render from build and test outputs only: no compile re-run, no benchmark")
+    parser.add_argument("--runs", type=int, default=DEFAULT_RUNS, help="timed benchmark repetitions")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--bin", type=Path, help="bazel-bin (default: the runfiles tree under `bazel run`, "
+                        "else <workspace>/bazel-bin)")
+    parser.add_argument("--testlogs", type=Path, help="bazel-testlogs (default: beside the bin directory)")
+    parser.add_argument("--out-dir", type=Path, help="where import-matrix.{md,json} go (default: <workspace>/docs)")
+    parser.add_argument("--readme", type=Path, help="README to update between the markers (default: "
+                        "<workspace>/README.md; --readme '' for none)")
+    parser.add_argument("--from-json", type=Path, help="render a previously collected import-matrix.json")
+    a = parser.parse_args(argv)
+    if a.runs < 1:
+        raise DsaError("--runs", f"{a.runs} is not a positive number of repetitions")
+    workspace = workspace_root()
+    bin_default, testlogs_default = default_dirs(_script_root(), workspace)
+    bin_dir = a.bin or bin_default
+    testlogs = a.testlogs or (a.bin.parent / "testlogs" if a.bin and a.bin.name == "bin" else testlogs_default)
+    out_dir = a.out_dir or workspace / "docs"
+    readme = None if a.readme == Path("") else (a.readme or workspace / "README.md")
+
+    if a.from_json:
+        data = read_json(a.from_json)
+    else:
+        if not (bin_dir / "models").is_dir():
+            raise DsaError(str(bin_dir), "holds no models/ build outputs",
+                           "build first (`./bazelw build //tools:import_matrix`), or pass --bin")
+        args = list(sys.argv[1:] if argv is None else argv)
+        if os.environ.get("BUILD_WORKSPACE_DIRECTORY"):
+            runfiles = [p[: -len(".runfiles")] for p in _script_root().parts if p.endswith(".runfiles")]
+            target = "//tools:" + (runfiles[-1] if runfiles else "import_matrix")
+            command = f"./bazelw run {target}" + (" -- " + shlex.join(args) if args else "")
+        else:
+            command = shlex.join(["python3", "dsa/tools/import_matrix.py", *args])
+        print(f"dsa import-matrix: outputs from {bin_dir}, test results from {testlogs}", flush=True)
+        rows = collect(select_models(a.models, read_models(bin_dir)), bin_dir, testlogs, measure=not a.no_measure, runs=a.runs,
+                       threads=a.threads)
+        targets = sorted({r["target"] for r in rows if r["target"]})
+        data = {
+            "format": DATA_FORMAT,
+            "date": time.strftime("%Y-%m-%d"),
+            "command": command,
+            "measure": not a.no_measure,
+            "runs": a.runs,
+            "target": ", ".join(targets) or None,
+            "machine": _machine(a.threads),
+            "toolchain": _toolchain(),
+            "rows": rows,
+        }
+        data = json.loads(json.dumps(data, default=str))  # paths → strings: what the JSON file holds
+        write_json_atomic(out_dir / "import-matrix.json", data)
+    document = render_document(data)
+    write_bytes_atomic(out_dir / "import-matrix.md", document.encode("utf-8"))
+    if readme is not None:
+        text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
+        write_bytes_atomic(readme, replace_marked(text, render_table(data)).encode("utf-8"))
+    print(render_table(data))
+    print(f"dsa-import-matrix: wrote {out_dir / 'import-matrix.md'}"
+          + (f" and the marked section of {readme}" if readme is not None else ""))
+    mismatched = [r["module"] for r in data["rows"] if (r.get("measured") or {}).get("identical") is False]
+    if mismatched:
+        raise DsaError("iree-compile re-run", f"the re-compiled vmfb of {', '.join(mismatched)} is not "
+                       "byte-identical to the built one", "the build is not reproducible on this machine: "
+                       "compare the compile reports' flags and toolchain versions")
+
+
+if __name__ == "__main__":
+    run_cli(main, "dsa import-matrix")

@@ -1,0 +1,194 @@
+"""dsa compile: the whole pipeline without Bazel, for users not on Bazel yet.
+
+    bin/dsa compile --manifest manifests/pi0.yaml --out out/pi0 [--checkpoint FILE | --seeded-checkpoint 0]
+
+Runs the same stage functions the Bazel rules run, in the same order: manifest views → export → parameter
+archive → one export per shape bucket → compile for every target the manifest lists → module index. It
+has no cache: every run does all the work (that is what Bazel adds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+from typing import List, Optional
+
+from dsa.stages.checkpoint import make_checkpoint
+from dsa.stages.compile import compile_module
+from dsa.core.errors import DsaError, run_cli
+from dsa.stages.export import export_model, model_source_files
+from dsa.core.fileio import read_json, write_json_atomic
+from dsa.core.identity import identity
+from dsa.stages.lock import ModuleFiles, make_lock, stage_source_files
+from dsa.manifest.contract import load_manifest, project
+from dsa.stages.params import build_params
+
+
+def run_pipeline(
+    manifest_path: Path,
+    out: Path,
+    *,
+    targets_dir: Path,
+    checkpoint: Optional[Path] = None,
+    seeded_checkpoint: Optional[int] = None,
+    pythonpath: List[str] = (),
+    requirements_lock: Path = Path("requirements_lock.txt"),
+    tuning: Optional[dict] = None,
+    policy_config: Optional[Path] = None,
+) -> List[Path]:
+    """`tuning` maps a target name to the tuning file (toolchains/tuning/<family>.<target>.json) to compile it
+    with; targets without one compile with the target spec's flags only."""
+    """Builds every artifact of the manifest's model into `out`; returns the module index of each target.
+    Beside each index lies `<target>.lock.json`, the same recipe lock the Bazel rules write."""
+    known = sorted(p.stem for p in targets_dir.glob("*.json"))
+    manifest = load_manifest(manifest_path, known_targets=known)
+    name = str(manifest_path)
+    views = out / "views"
+    export_view = project(manifest, "export")
+    write_json_atomic(views / "export_view.json", export_view)
+    params_view = project(manifest, "params")
+    write_json_atomic(views / "params_view.json", params_view)
+    write_json_atomic(out / "runtime_view.json", project(manifest, "runtime"))
+
+    if checkpoint is None:
+        checkpoint = manifest_path.parent / manifest["checkpoint"]["path"]
+        if seeded_checkpoint is not None:
+            checkpoint = out / "checkpoint.safetensors"
+            make_checkpoint(export_view, checkpoint, seed=seeded_checkpoint, pythonpath=pythonpath)
+    if not checkpoint.exists():
+        raise DsaError(f"{name}: checkpoint.path", f"no checkpoint at {checkpoint}",
+                       "pass --checkpoint FILE, or --seeded-checkpoint SEED for a generated stand-in")
+
+    if policy_config is None and "policy_config" in manifest["model"]:
+        # framework lerobot: the policy's config.json, relative to the manifest
+        policy_config = manifest_path.parent / manifest["model"]["policy_config"]["path"]
+    entry_point = export_view["model"]["entry_point"]
+    sources = {}
+    for rel in model_source_files(entry_point, pythonpath):
+        sources[rel] = next(str(Path(root) / rel) for root in pythonpath if (Path(root) / rel).exists())
+    record = export_model(export_view, out / "model.mlir", out / "export_record.json",
+                          sources=sources, pythonpath=pythonpath, manifest_name=name,
+                          policy_config=policy_config)
+    build_params(checkpoint, params_view, record, out / "params.irpa", manifest_name=name)
+
+    view_files = {"export": views / "export_view.json", "params": views / "params_view.json",
+                  "runtime": out / "runtime_view.json"}
+    exported = []  # (mlir, record) per module
+    for dim, sizes in sorted(manifest["buckets"].items()):
+        for slot in range(len(sizes)):
+            stem = out / "buckets" / f"{dim}_{slot}"
+            bucket = project(manifest, "bucket", bucket=(dim, slot))
+            view_files[f"bucket/{dim}_{slot}"] = views / f"{dim}_{slot}.bucket_view.json"
+            write_json_atomic(view_files[f"bucket/{dim}_{slot}"], bucket)
+            export_model(export_view, stem.with_suffix(".mlir"), stem.with_suffix(".export_record.json"),
+                         bucket=bucket, reference_record=record, sources=sources, pythonpath=pythonpath,
+                         manifest_name=name, policy_config=policy_config)
+            exported.append((stem.with_suffix(".mlir"), stem.with_suffix(".export_record.json")))
+    if not exported:
+        exported.append((out / "model.mlir", out / "export_record.json"))
+    import dsa
+
+    tool_sources = stage_source_files(Path(dsa.__file__).parent, manifest["model"]["entry_point"])
+    environment = identity(str(requirements_lock))
+
+    indexes = []
+    for target_name in manifest["targets"]:
+        target = read_json(targets_dir / f"{target_name}.json")
+        tuning_file = (tuning or {}).get(target_name)
+        compile_view = project(manifest, "compile", target=target_name)
+        compile_view_file = views / f"compile_view.{target_name}.json"
+        write_json_atomic(compile_view_file, compile_view)
+        modules = []
+        module_files = []
+        for mlir, module_record in exported:
+            vmfb = out / target_name / (mlir.stem + ".vmfb")
+            report = vmfb.with_suffix(".compile_report.json")
+            compile_module(mlir, compile_view, target, vmfb, report, where=f"{mlir} for target {target_name}",
+                           tuning=read_json(tuning_file) if tuning_file else None)
+            modules.append({"vmfb": os.path.relpath(vmfb, out), "record": os.path.relpath(module_record, out)})
+            module_files.append(ModuleFiles(mlir.stem, mlir, module_record, vmfb, report))
+        target_copy = out / target_name / f"{target_name}.json"
+        shutil.copyfile(targets_dir / f"{target_name}.json", target_copy)  # byte for byte: the lock digests it
+        index = out / f"{target_name}.modules.json"
+        write_json_atomic(index, {
+            "format": 1,
+            "target": target_name,
+            "target_spec": os.path.relpath(target_copy, out),
+            "parameter_archive": "params.irpa",
+            "parameter_scope": record["parameter_scope"],
+            "runtime_view": "runtime_view.json",
+            "modules": modules,
+        })
+        write_json_atomic(out / f"{target_name}.lock.json", make_lock(
+            manifest=manifest_path,
+            views=dict(view_files, compile=compile_view_file),
+            checkpoint=checkpoint,
+            model_sources={rel: Path(path) for rel, path in sources.items()},
+            tool_sources=tool_sources,
+            identity=environment,
+            target_spec=targets_dir / f"{target_name}.json",
+            modules=module_files,
+            params=out / "params.irpa",
+            tuning=(_tuning_key(tuning_file), tuning_file) if tuning_file else None,
+            policy_config=policy_config,
+        ))
+        indexes.append(index)
+    return indexes
+
+
+# The checkout this module runs from (holds toolchains/ and requirements_lock.txt).
+_RULES_DSA_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tuning_key(path: Path) -> str:
+    """How the lock names a tuning file: repository-relative inside this checkout (as Bazel names it)."""
+    resolved = Path(path).resolve()
+    if resolved.is_relative_to(_RULES_DSA_ROOT):
+        return str(resolved.relative_to(_RULES_DSA_ROOT))
+    return str(path)
+
+
+def _tuning_args(values: List[str]) -> dict:
+    tuning = {}
+    for value in values:
+        target, sep, path = value.partition("=")
+        if not sep or not path:
+            raise DsaError("--tuning", f"'{value}' is not TARGET=FILE",
+                           "e.g. --tuning x86_64-v3=toolchains/tuning/transformer.x86_64-v3.json")
+        if not Path(path).is_file():
+            raise DsaError("--tuning", f"no tuning file at {path}")
+        tuning[target] = Path(path)
+    return tuning
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="dsa compile", description=__doc__.splitlines()[0])
+    parser.add_argument("--manifest", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--checkpoint", type=Path, help="default: checkpoint.path, relative to the manifest")
+    parser.add_argument("--seeded-checkpoint", type=int, metavar="SEED",
+                        help="generate the seeded stand-in checkpoint (as dsa_checkpoint does)")
+    parser.add_argument("--targets-dir", type=Path, default=_RULES_DSA_ROOT / "toolchains" / "targets",
+                        help="target specs (default: this checkout's toolchains/targets)")
+    parser.add_argument("--requirements-lock", type=Path, default=_RULES_DSA_ROOT / "requirements_lock.txt",
+                        help="the lock the Python environment was installed from (recorded in the lock)")
+    parser.add_argument("--pythonpath", action="append", default=None,
+                        help="directory holding the model code (default: the current directory)")
+    parser.add_argument("--policy-config", type=Path,
+                        help="framework lerobot: the policy's config.json (default: model.policy_config.path, "
+                        "relative to the manifest)")
+    parser.add_argument("--tuning", action="append", default=[], metavar="TARGET=FILE",
+                        help="compile TARGET with this tuning file (toolchains/tuning/<family>.<target>.json)")
+    a = parser.parse_args(argv)
+    indexes = run_pipeline(a.manifest, a.out, targets_dir=a.targets_dir, checkpoint=a.checkpoint,
+                           seeded_checkpoint=a.seeded_checkpoint, pythonpath=a.pythonpath or ["."],
+                           requirements_lock=a.requirements_lock, tuning=_tuning_args(a.tuning),
+                           policy_config=a.policy_config)
+    for index in indexes:
+        print(f"dsa compile: wrote {index} and {index.name.replace('.modules.json', '.lock.json')}")
+
+
+if __name__ == "__main__":
+    run_cli(main, "dsa compile")

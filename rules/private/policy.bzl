@@ -1,0 +1,216 @@
+"""dsa_policy: one call per model — checkpoint (or LeRobot policy directory), model, buckets and vmfb.
+
+dsa_policies: the package's policies (and pipelines), discovered from the targets dsa_policy made, as one
+index the tools read (bazel-bin/<pkg>/<name>.json) — so no tool keeps a list of models by hand."""
+
+load(":bucket.bzl", "dsa_bucket")
+load(":link.bzl", "dsa_pipeline")
+load(":model.bzl", "dsa_checkpoint", "dsa_lerobot_policy", "dsa_model")
+load(":providers.bzl", "DsaModuleInfo", "DsaPipelineInfo")
+load(":vmfb.bzl", "dsa_vmfb")
+
+# The tag dsa_policy puts on the dsa_vmfb it makes; dsa_policies finds the package's policies by it.
+POLICY_TAG = "dsa_policy"
+_TEST_TAG = "dsa_parity_test="
+
+# The LeRobot environment and front end: what every `framework: lerobot` model's export needs.
+_LEROBOT_ENV = "@dsa_lerobot_python//:env"
+_LEROBOT_FRONTEND = Label("//dsa:lerobot")
+
+# Attributes every generated target takes from the macro's caller.
+_COMMON = ["visibility", "testonly", "compatible_with", "restricted_to", "features"]
+
+def dsa_policy(
+        name,
+        manifest,
+        target,
+        deps = [],
+        checkpoint = None,
+        seed = 0,
+        lerobot_config = None,
+        lerobot_policy = None,
+        policy_config = None,
+        bucket = None,
+        tuning = None,
+        python_env = None,
+        parity_test = None,
+        tags = [],
+        **kwargs):
+    """A compiled policy in one call: `bazel build :<name>` builds its modules for `target`.
+
+    Makes, with predictable names:
+      * the weights — `checkpoint` as given (a .safetensors label, or a LeRobot policy directory's
+        `model.safetensors`); else, for a LeRobot policy, `<name>_policy` (dsa_lerobot_policy from
+        `lerobot_config`: `<name>_policy/config.json` + `model.safetensors`, seeded); else `<name>_checkpoint`
+        (dsa_checkpoint, seeded stand-in weights written to `<name>.safetensors`);
+      * `<name>_model` (dsa_model), `<name>_buckets` (dsa_bucket, when `bucket` is given) and `<name>`
+        (dsa_vmfb, tagged "dsa_policy" so that dsa_policies and the tools find it).
+
+    Args:
+      name: the policy's name: the dsa_vmfb target, and the prefix of the targets it makes.
+      manifest: the deployment manifest (its sha256 pins must match the weights).
+      target: a dsa_target the manifest lists under `targets`.
+      deps: py_library targets with the model code (the manifest's `model.entry_point`). A LeRobot policy
+        needs none: the LeRobot front end (//dsa:lerobot) is added.
+      checkpoint: real (or shared) weights: a .safetensors label. Unset: seeded stand-in weights.
+      seed: the seed of generated weights.
+      lerobot_config: a LeRobot policy: the JSON of its config (type and fields) from which
+        `<name>_policy` is made with LeRobot's own save_pretrained.
+      lerobot_policy: a LeRobot policy directory target already in the package (a dsa_lerobot_policy), to
+        share its weights and config.json instead of making one.
+      policy_config: a trained LeRobot policy's config.json (with `checkpoint`, its model.safetensors).
+      bucket: `{"dim": DIM, "count": N}`: one module per size of the manifest's `buckets.DIM` list.
+      tuning: the measured tuning file of the model's family for `target` (toolchains/tuning).
+      python_env: the dsa_python_env to export in; LeRobot policies default to @dsa_lerobot_python.
+      parity_test: the label of the test that checks the compiled policy against eager (the import matrix
+        reports its result).
+      tags: added to every target made; execution tags (no-remote-cache, ...) reach their actions.
+      **kwargs: visibility, testonly, ... — passed to every target made.
+    """
+    common = {k: v for k, v in kwargs.items() if k in _COMMON}
+    unknown = [k for k in kwargs if k not in _COMMON]
+    if unknown:
+        fail("dsa_policy %s: unknown argument(s) %s" % (name, ", ".join(unknown)))
+    if len([x for x in [lerobot_config, lerobot_policy, policy_config] if x]) > 1:
+        fail("dsa_policy %s: set at most one of lerobot_config (make a policy directory), lerobot_policy (use " % name +
+             "one of this package) and policy_config (a trained policy's config.json, with checkpoint)")
+    if policy_config and not checkpoint:
+        fail("dsa_policy %s: policy_config needs checkpoint (the policy's model.safetensors)" % name)
+    if bucket != None and sorted(bucket.keys()) != ["count", "dim"]:
+        fail("dsa_policy %s: bucket must be {\"dim\": DIM, \"count\": N}, got %s" % (name, bucket))
+
+    if lerobot_config:
+        lerobot_policy = ":%s_policy" % name
+        dsa_lerobot_policy(name = name + "_policy", config = lerobot_config, seed = seed, tags = tags, **common)
+    if lerobot_policy:
+        policy_config = lerobot_policy + "/config.json"
+        checkpoint = checkpoint or lerobot_policy + "/model.safetensors"
+    if policy_config:
+        deps = deps + [str(_LEROBOT_FRONTEND)]
+        python_env = python_env or _LEROBOT_ENV
+    if not checkpoint:
+        dsa_checkpoint(
+            name = name + "_checkpoint",
+            out = name + ".safetensors",
+            manifest = manifest,
+            seed = seed,
+            deps = deps,
+            tags = tags,
+            **common
+        )
+        checkpoint = ":%s.safetensors" % name
+
+    dsa_model(
+        name = name + "_model",
+        checkpoint = checkpoint,
+        manifest = manifest,
+        policy_config = policy_config,
+        python_env = python_env,
+        deps = deps,
+        tags = tags,
+        **common
+    )
+    src = ":%s_model" % name
+    if bucket != None:
+        dsa_bucket(name = name + "_buckets", count = bucket["count"], dim = bucket["dim"], model = src, tags = tags, **common)
+        src = ":%s_buckets" % name
+    dsa_vmfb(
+        name = name,
+        src = src,
+        target = target,
+        tuning = tuning,
+        tags = tags + [POLICY_TAG] + ([_TEST_TAG + parity_test] if parity_test else []),
+        **common
+    )
+
+def _index_impl(ctx):
+    rows = []
+    for policy, test in zip(ctx.attr.policies, ctx.attr.tests):
+        rows.append(struct(
+            name = policy.label.name,
+            label = str(policy.label),
+            index = policy[DsaModuleInfo].index.short_path,
+            test = test,
+        ))
+    pipelines = []
+    for pipeline, test in zip(ctx.attr.pipelines, ctx.attr.pipeline_tests):
+        info = pipeline[DsaPipelineInfo]
+        pipelines.append(struct(
+            name = pipeline.label.name,
+            label = str(pipeline.label),
+            index = info.index.short_path,
+            stages = info.stage_names,
+            test = test,
+        ))
+    out = ctx.actions.declare_file(ctx.label.name + ".json")
+    ctx.actions.write(out, json.encode_indent(struct(format = 1, policies = rows, pipelines = pipelines)) + "\n")
+    return [DefaultInfo(files = depset([out]), runfiles = ctx.runfiles(files = [out]))]
+
+_dsa_policy_index = rule(
+    implementation = _index_impl,
+    doc = "The index dsa_policies writes (JSON only): every policy (dsa_vmfb) and pipeline of a package, with its parity test.",
+    attrs = {
+        "policies": attr.label_list(providers = [DsaModuleInfo]),
+        "tests": attr.string_list(),
+        "pipelines": attr.label_list(providers = [DsaPipelineInfo]),
+        "pipeline_tests": attr.string_list(),
+    },
+)
+
+def _set_impl(ctx):
+    targets = ctx.attr.srcs
+    runfiles = ctx.runfiles(files = ctx.files.srcs)
+    for t in targets:
+        runfiles = runfiles.merge(t[DefaultInfo].default_runfiles)
+    return [DefaultInfo(files = depset(transitive = [t[DefaultInfo].files for t in targets]), runfiles = runfiles)]
+
+_dsa_policy_set = rule(
+    implementation = _set_impl,
+    doc = "The index and every policy's outputs (modules, records, MLIR, archives), as files and runfiles.",
+    attrs = {"srcs": attr.label_list()},
+)
+
+def dsa_policies(name, pipeline_tests = {}, **kwargs):
+    """Call last in a BUILD file. Indexes every policy dsa_policy made above it and every dsa_pipeline —
+    discovered from the package's targets, so no tool keeps a list of models by hand:
+
+      * `<name>_index`: bazel-bin/<pkg>/<name>_index.json alone (each policy's name, label, module index and
+        parity test; each pipeline's stages);
+      * `<name>`: that index plus every policy's and pipeline's outputs (modules, records, MLIR, archives) as
+        files and runfiles: what the import matrix needs (`bazel build //models:policies` builds them all).
+
+    Args:
+      name: the target name.
+      pipeline_tests: {pipeline name: the label of its parity test}.
+      **kwargs: visibility, tags, ... (both targets).
+    """
+    policies, tests, models = [], [], []
+    pipelines, ptests = [], []
+    rules = native.existing_rules()
+    for rule_name, r in rules.items():
+        if r["kind"] == "dsa_vmfb" and POLICY_TAG in r.get("tags", []):
+            policies.append(":" + rule_name)
+            test = [t[len(_TEST_TAG):] for t in r["tags"] if t.startswith(_TEST_TAG)]
+            tests.append(test[0] if test else "")
+            models.append(":%s_model" % rule_name)
+            if (rule_name + "_buckets") in rules:
+                models.append(":%s_buckets" % rule_name)
+        elif r["kind"] == "dsa_pipeline":
+            pipelines.append(":" + rule_name)
+            ptests.append(pipeline_tests.get(rule_name, ""))
+    unknown = [p for p in pipeline_tests if ":" + p not in pipelines]
+    if unknown:
+        fail("dsa_policies %s: pipeline_tests names no dsa_pipeline of this package: %s" % (name, ", ".join(unknown)))
+    _dsa_policy_index(
+        name = name + "_index",
+        policies = policies,
+        tests = tests,
+        pipelines = pipelines,
+        pipeline_tests = ptests,
+        **kwargs
+    )
+    _dsa_policy_set(
+        name = name,
+        srcs = [":%s_index" % name] + policies + pipelines + models,
+        **kwargs
+    )
