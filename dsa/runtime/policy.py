@@ -205,14 +205,19 @@ class CompiledPolicy:
 
 
 def sample_inputs(record: dict, sizes: Dict[str, int], rng: np.random.Generator) -> Dict[str, np.ndarray]:
-    """A deterministic sample observation for an export record: bucketed dims at `sizes` (default: the
-    record's own size), floats standard-normal, integers within their recorded sample range."""
+    """A deterministic sample observation for an export record: named dims at `sizes`, else bucketed dims at the
+    record's own size and dynamic dims (batch) at their smallest size; floats standard-normal, integers within
+    their recorded sample range."""
+    dynamic = record.get("dynamic_dims") or {}
     values = {}
     for spec in record["inputs"]:
         shape = []
         for axis, dim in enumerate(spec["shape"]):
             named = spec.get("dims", {}).get(str(axis))
-            shape.append(sizes.get(named, dim) if named else dim)
+            size = sizes.get(named, dim) if named else dim
+            if not isinstance(size, int):  # a dynamic dim the record names, not a size
+                size = max(1, int(dynamic.get(named, {}).get("min", 1)))
+            shape.append(size)
         if "value_range" in spec:
             values[spec["name"]] = np.array(spec["value_range"][0], dtype=spec["dtype"]).reshape(shape)
         elif spec["dtype"].startswith("float"):

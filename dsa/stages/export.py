@@ -67,8 +67,15 @@ def model_source_files(entry_point: str, pythonpath: Sequence[str]) -> List[str]
     The Bazel rules pass the same set (the model's py_library sources without //dsa) to DsaExport."""
     import modulefinder
 
+    module_name = entry_point.partition(":")[0]
+    if module_name == "dsa" or module_name.startswith("dsa."):
+        return []  # a front end of the rule set: recorded with the stage code, not as model sources
     finder = modulefinder.ModuleFinder(path=list(pythonpath))
-    finder.import_hook(entry_point.partition(":")[0])
+    try:
+        finder.import_hook(module_name)
+    except ImportError as e:
+        raise DsaError("model.entry_point", f"cannot find '{module_name}' on the model path {list(pythonpath)}: {e}",
+                       "pass --pythonpath DIR (the directory the entry point's package is in)") from None
     files = set()
     for name, module in finder.modules.items():
         if module.__file__ and name != "dsa" and not name.startswith("dsa."):

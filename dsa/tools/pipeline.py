@@ -140,6 +140,20 @@ def run_pipeline(
 
 # The checkout this module runs from (holds toolchains/ and requirements_lock.txt).
 _RULES_DSA_ROOT = Path(__file__).resolve().parents[2]
+_WORKSPACE_FILES = ("WORKSPACE", "WORKSPACE.bazel", "MODULE.bazel")
+
+
+def default_pythonpath(manifest: Path) -> List[str]:
+    """Where the model code is imported from without --pythonpath: the current directory, and the workspace
+    (the nearest directory with a WORKSPACE or MODULE.bazel file) that holds the manifest, so that `dsa
+    compile` works from any directory."""
+    paths = ["."]
+    for parent in Path(manifest).resolve().parents:
+        if any((parent / name).is_file() for name in _WORKSPACE_FILES):
+            if parent != Path.cwd().resolve():
+                paths.append(str(parent))
+            break
+    return paths
 
 
 def _tuning_key(path: Path) -> str:
@@ -175,16 +189,26 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--requirements-lock", type=Path, default=_RULES_DSA_ROOT / "requirements_lock.txt",
                         help="the lock the Python environment was installed from (recorded in the lock)")
     parser.add_argument("--pythonpath", action="append", default=None,
-                        help="directory holding the model code (default: the current directory)")
+                        help="directory holding the model code (default: the current directory and the "
+                        "workspace that holds the manifest)")
     parser.add_argument("--policy-config", type=Path,
                         help="framework lerobot: the policy's config.json (default: model.policy_config.path, "
                         "relative to the manifest)")
     parser.add_argument("--tuning", action="append", default=[], metavar="TARGET=FILE",
                         help="compile TARGET with this tuning file (toolchains/tuning/<family>.<target>.json)")
     a = parser.parse_args(argv)
+    # Every file argument is checked before any work (an export can take minutes).
+    for flag, path in (("--manifest", a.manifest), ("--checkpoint", a.checkpoint),
+                       ("--policy-config", a.policy_config), ("--requirements-lock", a.requirements_lock)):
+        if path is not None and not path.is_file():
+            raise DsaError(flag, f"no file at {path}")
+    if not a.targets_dir.is_dir():
+        raise DsaError("--targets-dir", f"no directory at {a.targets_dir}")
+    tuning = _tuning_args(a.tuning)
     indexes = run_pipeline(a.manifest, a.out, targets_dir=a.targets_dir, checkpoint=a.checkpoint,
-                           seeded_checkpoint=a.seeded_checkpoint, pythonpath=a.pythonpath or ["."],
-                           requirements_lock=a.requirements_lock, tuning=_tuning_args(a.tuning),
+                           seeded_checkpoint=a.seeded_checkpoint,
+                           pythonpath=a.pythonpath or default_pythonpath(a.manifest),
+                           requirements_lock=a.requirements_lock, tuning=tuning,
                            policy_config=a.policy_config)
     for index in indexes:
         print(f"dsa compile: wrote {index} and {index.name.replace('.modules.json', '.lock.json')}")

@@ -1,6 +1,7 @@
 """The one `dsa` command (bin/dsa, python -m dsa) runs the tools from a checkout, without Bazel, and reports errors
 as the tools do."""
 
+import json
 import os
 import subprocess
 import sys
@@ -54,3 +55,26 @@ def test_each_command_names_itself_in_its_errors(tmp_path):
     proc = _run(runfile("bin/dsa"), "diff", tmp_path / "a.tar", tmp_path / "b.tar")
     assert proc.returncode == 2 and proc.stderr.startswith("dsa diff: error: "), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_dsa_compile_checks_its_file_arguments_before_any_work(tmp_path):
+    """A wrong --checkpoint (or --policy-config, --requirements-lock, ...) is refused at once, naming the flag."""
+    proc = subprocess.run(
+        [str(runfile("bin/dsa")), "compile", "--manifest", str(runfile("manifests/pi0.yaml").absolute()),
+         "--out", str(tmp_path / "out"), "--checkpoint", str(tmp_path / "missing.safetensors")],
+        capture_output=True, text=True, env=dict(os.environ, DSA_PYTHON=sys.executable), cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith("dsa compile: error: --checkpoint: no file at "), proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_dsa_compile_runs_from_another_directory(tmp_path):
+    """From a directory outside the checkout, the model code is found in the workspace that holds the manifest,
+    and the lock names the model's sources workspace-relative, as from the checkout's root."""
+    proc = subprocess.run(
+        [str(runfile("bin/dsa")), "compile", "--manifest", str(runfile("manifests/transformer.yaml").absolute()),
+         "--out", str(tmp_path / "out"), "--seeded-checkpoint", "0"],
+        capture_output=True, text=True, env=dict(os.environ, DSA_PYTHON=sys.executable), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lock = json.loads((tmp_path / "out" / "x86_64-v3.lock.json").read_text())
+    assert "models/transformer/transformer.py" in lock["model_sources"], sorted(lock["model_sources"])
+    assert (tmp_path / "out" / "x86_64-v3" / "model.vmfb").is_file()

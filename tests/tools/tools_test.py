@@ -182,3 +182,23 @@ def test_cli_reports_error_without_traceback(exported, tmp_path):
     assert proc.returncode == 2
     assert "manifests/tiny.yaml: checkpoint.sha256" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "p.irpa").exists()
+
+
+def test_sample_inputs_takes_a_dynamic_batch_at_its_smallest_size():
+    """A LeRobot module's batch is dynamic (shape ['batch', ...]): `dsa run` without --observation samples it at
+    its minimum instead of failing on the dim's name; an explicit size wins; a bucketed dim keeps its size."""
+    from dsa.runtime.policy import sample_inputs
+
+    record = {
+        "dynamic_dims": {"batch": {"min": 1, "max": 65536}},
+        "inputs": [
+            {"name": "image", "dtype": "float32", "shape": ["batch", 3, 8, 8], "dims": {"0": "batch"}},
+            {"name": "tokens", "dtype": "int64", "shape": ["batch", 32], "dims": {"0": "batch", "1": "prompt_len"},
+             "sample_range": [1, 9]},
+            {"name": "steps", "dtype": "int64", "shape": [], "value_range": [1, 100]},
+        ],
+    }
+    values = sample_inputs(record, {}, np.random.default_rng(0))
+    assert values["image"].shape == (1, 3, 8, 8) and values["tokens"].shape == (1, 32)
+    assert int(values["steps"]) == 1
+    assert sample_inputs(record, {"batch": 3}, np.random.default_rng(0))["image"].shape == (3, 3, 8, 8)
