@@ -45,7 +45,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import atomic_output, canonical_json, read_json, sha256_file
-from dsa.core.formats import INDEX_FORMAT, LINK_FORMAT, LOCK_FORMAT, PIPELINE_INDEX_FORMAT
+from dsa.core.formats import LINK_FORMAT, LOCK_FORMAT, PIPELINE_INDEX_FORMAT
+from dsa.core.formats import ModuleIndex
 from dsa.runtime.policy import read_module_index
 
 BUNDLE_FORMAT = 1
@@ -283,15 +284,14 @@ def _collect(*, lock: Path, manifest: Path, runtime_view: Path, target_spec: Pat
     if len(scopes) != 1:
         raise DsaError("dsa-bundle", f"modules use different parameter scopes {sorted(scopes)}",
                        "bundle modules of one model")
-    index = {
-        "format": INDEX_FORMAT,
-        "target": lock_data["target"],
-        "parameter_archive": PARAMS_IRPA,
-        "parameter_scope": scopes.pop(),
-        "runtime_view": RUNTIME_VIEW_JSON,
-        "target_spec": TARGET_SPEC_JSON,
-        "modules": [{"vmfb": f"{name}.vmfb", "record": f"{name}.export_record.json"} for name in sorted(records)],
-    }
+    index = ModuleIndex(
+        target=lock_data["target"],
+        target_spec=TARGET_SPEC_JSON,
+        parameter_archive=PARAMS_IRPA,
+        parameter_scope=scopes.pop(),
+        runtime_view=RUNTIME_VIEW_JSON,
+        modules=tuple((f"{name}.vmfb", f"{name}.export_record.json") for name in sorted(records)),
+    ).to_json()
     return _Stage(lock_data, payload, records, reports, digests, sizes, index)
 
 

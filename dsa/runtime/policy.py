@@ -14,6 +14,7 @@ IREE runtime would accept a tensor of the wrong shape silently.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ import numpy as np
 from dsa.core.errors import DsaError
 from dsa.core.fileio import read_json
 
-from dsa.core.formats import INDEX_FORMAT, PARAMETER_METADATA_PREFIX
+from dsa.core.formats import INDEX_FORMAT, PARAMETER_METADATA_PREFIX, ModuleIndex  # noqa: F401 (re-exported)
 
 
 def read_archive_metadata(irpa: Path) -> dict:
@@ -58,12 +59,8 @@ class Module:
 
 
 def read_module_index(path: Path) -> dict:
-    """A module index, refused unless its format is the one this release reads."""
-    index = read_json(path)
-    if index.get("format") != INDEX_FORMAT:
-        raise DsaError(str(path), f"module index format {index.get('format')} is not supported",
-                       f"this release reads format {INDEX_FORMAT}")
-    return index
+    """A module index as JSON, refused unless its format is the one this release reads (ModuleIndex)."""
+    return ModuleIndex.read(Path(path)).to_json()
 
 
 class CompiledPolicy:

@@ -11,6 +11,7 @@ in any checkout. Bundles carry it; `dsa diff` compares two of them.
 from __future__ import annotations
 
 import argparse
+import os
 import dataclasses
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional
@@ -18,7 +19,7 @@ from typing import Dict, List, Mapping, Optional
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, sha256_file, write_json_atomic
 
-from dsa.core.formats import LOCK_FORMAT  # noqa: E402 (re-exported)
+from dsa.core.formats import LOCK_FORMAT, ModuleIndex  # noqa: E402 (LOCK_FORMAT re-exported)
 
 
 @dataclasses.dataclass
@@ -137,6 +138,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--policy-config", help="framework lerobot: the policy's config.json")
     parser.add_argument("--export-identity", help="identity.json of the environment the export ran in, if another")
     parser.add_argument("--out", required=True)
+    # The module index of these modules (dsa_vmfb's <name>.modules.json), written here so that one writer,
+    # dsa.core.formats.ModuleIndex, makes every index: paths relative to the index's directory.
+    parser.add_argument("--index-out", help="write the module index here")
+    parser.add_argument("--index-target", help="the target's name, for the index")
+    parser.add_argument("--index-target-spec", help="the target spec beside the modules, for the index")
+    parser.add_argument("--index-runtime-view", help="the runtime view, for the index")
     a = parser.parse_args(argv)
     modules = []
     for name, paths in _pairs(a.module, "--module").items():
@@ -159,6 +166,24 @@ def main(argv: Optional[List[str]] = None) -> None:
         export_identity=read_json(a.export_identity) if a.export_identity else None,
     )
     write_json_atomic(a.out, lock)
+    if a.index_out:
+        _write_index(a, modules)
+
+
+def _write_index(a: argparse.Namespace, modules: List[ModuleFiles]) -> None:
+    base = os.path.dirname(a.index_out)
+    scopes = {read_json(m.export_record).get("parameter_scope", "model") for m in modules}
+    if len(scopes) != 1:
+        raise DsaError("--module", f"the modules use different parameter scopes {sorted(scopes)}",
+                       "index the modules of one model")
+    ModuleIndex(
+        target=a.index_target,
+        target_spec=os.path.relpath(a.index_target_spec, base),
+        parameter_archive=os.path.relpath(a.params, base),
+        parameter_scope=scopes.pop(),
+        runtime_view=os.path.relpath(a.index_runtime_view, base),
+        modules=tuple((os.path.relpath(m.vmfb, base), os.path.relpath(m.export_record, base)) for m in modules),
+    ).write(Path(a.index_out))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from dsa.core.fileio import read_json, write_json_atomic
 from dsa.core.identity import identity
 from dsa.stages.lock import ModuleFiles, make_lock, stage_source_files
 from dsa.manifest.contract import load_manifest, project
+from dsa.core.formats import ModuleIndex
 from dsa.stages.params import build_params
 
 
@@ -112,15 +113,14 @@ def run_pipeline(
         target_copy = out / target_name / f"{target_name}.json"
         shutil.copyfile(targets_dir / f"{target_name}.json", target_copy)  # byte for byte: the lock digests it
         index = out / f"{target_name}.modules.json"
-        write_json_atomic(index, {
-            "format": 1,
-            "target": target_name,
-            "target_spec": os.path.relpath(target_copy, out),
-            "parameter_archive": "params.irpa",
-            "parameter_scope": record["parameter_scope"],
-            "runtime_view": "runtime_view.json",
-            "modules": modules,
-        })
+        ModuleIndex(
+            target=target_name,
+            target_spec=os.path.relpath(target_copy, out),
+            parameter_archive="params.irpa",
+            parameter_scope=record["parameter_scope"],
+            runtime_view="runtime_view.json",
+            modules=tuple((m["vmfb"], m["record"]) for m in modules),
+        ).write(index)
         write_json_atomic(out / f"{target_name}.lock.json", make_lock(
             manifest=manifest_path,
             views=dict(view_files, compile=compile_view_file),

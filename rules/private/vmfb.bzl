@@ -1,10 +1,11 @@
 """dsa_vmfb: exported MLIR → IREE .vmfb for one target, plus the module index the runner loads."""
 
-load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "execution_requirements", "manifest_view", "relative_path", "repo_relative", "stage_sources")
+load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "execution_requirements", "manifest_view", "repo_relative", "stage_sources")
 load(":providers.bzl", "DsaBucketInfo", "DsaModelInfo", "DsaModuleInfo", "DsaTargetInfo")
 
-def _lock_action(ctx, lock, model, target, compile_view, bucket_views, mlirs, records, vmfbs, reports):
-    """DsaLock: digests of every input and output of these modules (see dsa/stages/lock.py)."""
+def _lock_action(ctx, lock, index, spec, model, target, compile_view, bucket_views, mlirs, records, vmfbs, reports):
+    """DsaLock: digests of every input and output of these modules (see dsa/stages/lock.py), and the module
+    index the runner loads (dsa.core.formats.ModuleIndex, the index's one writer)."""
     views = {"export": model.export_view, "params": model.params_view, "runtime": model.runtime_view, "compile": compile_view}
     for v in bucket_views:
         views["bucket/" + v.basename[:-len(".bucket_view.json")]] = v
@@ -33,15 +34,19 @@ def _lock_action(ctx, lock, model, target, compile_view, bucket_views, mlirs, re
     if tuning:
         args.add("--tuning", "%s=%s" % (repo_relative(tuning), tuning.path))
     args.add("--out", lock)
+    args.add("--index-out", index)
+    args.add("--index-target", target.name)
+    args.add("--index-target-spec", spec)
+    args.add("--index-runtime-view", model.runtime_view)
     ctx.actions.run(
         executable = ctx.executable._lock_tool,
         arguments = [args],
         inputs = depset(
             [model.manifest, model.checkpoint, ctx.file._toolchain_identity, target.spec, model.params] +
             views.values() + model.own_sources + tool_sources + mlirs + records + vmfbs + reports + extra +
-            ([tuning] if tuning else []),
+            ([tuning] if tuning else []) + [spec, model.runtime_view],
         ),
-        outputs = [lock],
+        outputs = [lock, index],
         mnemonic = "DsaLock",
         progress_message = "Writing the recipe lock %s" % lock.short_path,
         env = ACTION_ENV,
@@ -98,24 +103,10 @@ def _dsa_vmfb_impl(ctx):
     spec = ctx.actions.declare_file("%s/%s.json" % (name, target.name))
     ctx.actions.symlink(output = spec, target_file = target.spec)
 
-    # The index is analysis-time data (file names only), so it needs no action of its own.
+    # The module index: written by the DsaLock action, which has every path (one writer: ModuleIndex).
     index = ctx.actions.declare_file(name + ".modules.json")
-    base = index.short_path.rpartition("/")[0]
-    ctx.actions.write(index, json.encode_indent(struct(
-        format = 1,
-        target = target.name,
-        parameter_archive = relative_path(model.params.short_path, base),
-        parameter_scope = "model",
-        runtime_view = relative_path(model.runtime_view.short_path, base),
-        target_spec = relative_path(spec.short_path, base),
-        modules = [
-            struct(vmfb = relative_path(v.short_path, base), record = relative_path(r.short_path, base))
-            for v, r in zip(vmfbs, records)
-        ],
-    )) + "\n")
-
     lock = ctx.actions.declare_file(name + ".lock.json")
-    _lock_action(ctx, lock, model, target, view, bucket_views, mlirs, records, vmfbs, reports)
+    _lock_action(ctx, lock, index, spec, model, target, view, bucket_views, mlirs, records, vmfbs, reports)
 
     files = vmfbs + reports + records + [index, lock, model.params, model.runtime_view, spec]
     return [

@@ -202,3 +202,24 @@ def test_sample_inputs_takes_a_dynamic_batch_at_its_smallest_size():
     assert values["image"].shape == (1, 3, 8, 8) and values["tokens"].shape == (1, 32)
     assert int(values["steps"]) == 1
     assert sample_inputs(record, {"batch": 3}, np.random.default_rng(0))["image"].shape == (3, 3, 8, 8)
+
+
+def test_module_index_is_written_and_read_only_through_its_class(tmp_path):
+    """ModuleIndex (dsa/core/formats.py) is every index's writer (DsaLock, dsa compile, the bundle) and reader:
+    it round-trips, and refuses another format or a missing field naming the file."""
+    from dsa.core.formats import INDEX_FORMAT, ModuleIndex
+
+    index = ModuleIndex(target="x86_64-v3", target_spec="m/x86_64-v3.json", parameter_archive="m_model/params.irpa",
+                        parameter_scope="model", runtime_view="m_model/runtime_view.json",
+                        modules=(("m/a.vmfb", "b/a.export_record.json"),))
+    path = tmp_path / "m.modules.json"
+    index.write(path)
+    assert ModuleIndex.read(path) == index
+    data = json.loads(path.read_text())
+    assert data["format"] == INDEX_FORMAT and data["modules"] == [{"vmfb": "m/a.vmfb", "record": "b/a.export_record.json"}]
+    path.write_text(json.dumps(dict(data, format=INDEX_FORMAT + 1)))
+    with pytest.raises(DsaError, match=f"m.modules.json: module index format {INDEX_FORMAT + 1} is not supported"):
+        ModuleIndex.read(path)
+    path.write_text(json.dumps({k: v for k, v in data.items() if k != "runtime_view"}))
+    with pytest.raises(DsaError, match="module index lacks runtime_view"):
+        ModuleIndex.read(path)
