@@ -52,7 +52,7 @@ DsaPipelineInfo = _DsaPipelineInfo
 DsaTargetInfo = _DsaTargetInfo
 
 def dsa_runner(name, module, args = [], **kwargs):
-    """`bazel run :name [-- dsa-run flags]`: runs the compiled policy `module` (a dsa_vmfb) on a sample.
+    """`bazel run :name [-- dsa run flags]`: runs the compiled policy `module` (a dsa_vmfb) on a sample.
 
     Prints the action chunk's shape and latency percentiles; see dsa/runtime/run.py for its flags."""
     index = name + "_index"
