@@ -4,14 +4,14 @@ count being a runtime input of one module.
 
 Tolerance: |vmfb - eager| <= 1e-4 * max(1, max|eager|). Both sides run fp32, but IREE reorders the
 reductions of the vision encoder, the VLM and the action expert, demotes the float64 sinusoidal time
-embedding to float32, and the exported image resize is `dsa.frontends.lerobot.adapter.bilinear_resize` (<= 3e-6 from ATen's
+embedding to float32, and the exported image resize is `dsa.frontends.lerobot.bilinear_resize` (<= 3e-6 from ATen's
 kernel); measured <= 3e-5 absolute on actions of magnitude ~3. A wrong step count, a wrong time or a wrong
 weight moves actions by O(0.1-1).
 """
 
 import numpy as np
 
-from dsa.frontends.lerobot.adapter import reference_actions
+from dsa.frontends.lerobot import reference_actions
 from dsa.runtime.policy import sample_inputs
 
 REL_TOL = 1e-4

@@ -200,7 +200,7 @@ def _has_inplace_ops(exported) -> bool:
 
 def load_policy_config(view: dict, path: Optional[Union[str, Path]], manifest_name: str = "manifest") -> dict:
     """A `framework: lerobot` view with its policy's config.json (checked against the manifest's digest) put
-    in `view["model"]["pretrained_config"]`, where dsa.frontends.lerobot.adapter's entry point reads it. Other views pass."""
+    in `view["model"]["pretrained_config"]`, where dsa.frontends.lerobot's entry point reads it. Other views pass."""
     pinned = view["model"].get("policy_config")
     if view.get("framework") != "lerobot" or pinned is None:
         return view

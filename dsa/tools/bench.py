@@ -150,6 +150,9 @@ class Subject:
 
 
 def load_subjects(path: Path, root: Path) -> List[Subject]:
+    """The subjects: those bench/subjects.json gives options for, then every other manifest under
+    `root/manifests` with the defaults (default_subject), except the ones subjects.json says are not
+    benchmarked here, and why. So a new model is benchmarked without an entry of its own."""
     data = read_json(path)
     subjects = []
     for entry in data["subjects"]:
@@ -162,7 +165,38 @@ def load_subjects(path: Path, root: Path) -> List[Subject]:
             cases=entry.get("cases") or [{}],
             ort_goal=bool(entry.get("ort_goal", False)),
         ))
+    covered = {s.manifest.name for s in subjects} | set(data.get("not_benchmarked", {}))
+    for manifest in sorted((root / "manifests").glob("*.yaml")):
+        if manifest.name not in covered:
+            subjects.append(default_subject(manifest, root))
     return subjects
+
+
+def default_subject(manifest: Path, root: Path) -> Subject:
+    """A manifest without options in subjects.json: its seeded checkpoint (models/<model_id>.safetensors, as
+    dsa_policy names it; made here when absent), the tuning family named after the model (target flags only
+    until one is measured), the smallest bucket of its first bucketed dim, one case with the sample inputs, and
+    the ONNX Runtime goal."""
+    import yaml
+
+    data = yaml.safe_load(manifest.read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or "model_id" not in data:
+        raise DsaError(str(manifest), "is not a manifest with a model_id",
+                       "fix it, or list it under not_benchmarked in bench/subjects.json")
+    if data.get("framework", "pytorch") != "pytorch":
+        raise DsaError(str(manifest), f"framework '{data.get('framework')}' is not benchmarked in this environment",
+                       "list it under not_benchmarked in bench/subjects.json, saying why")
+    buckets = data.get("buckets") or {}
+    dim = sorted(buckets)[0] if buckets else None
+    return Subject(
+        name=data["model_id"],
+        manifest=manifest,
+        checkpoint=root / "models" / f"{data['model_id']}.safetensors",
+        family=data["model_id"],
+        bucket={"dim": dim, "slot": 0} if dim else None,
+        cases=[{}],
+        ort_goal=True,
+    )
 
 
 # -- building variants -------------------------------------------------------------------------------

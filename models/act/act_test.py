@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from dsa.frontends.lerobot.adapter import reference_actions
+from dsa.frontends.lerobot import reference_actions
 from dsa.runtime.policy import CompiledPolicy, sample_inputs
 from dsa.tools.testing import runfile
 

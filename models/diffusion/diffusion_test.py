@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from dsa.frontends.lerobot.adapter import reference_actions
+from dsa.frontends.lerobot import reference_actions
 from dsa.runtime.policy import CompiledPolicy, sample_inputs
 from dsa.tools.testing import runfile
 

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from dsa.frontends.lerobot.adapter import SMOLVLM_SCHEME
+from dsa.frontends.lerobot import SMOLVLM_SCHEME
 from dsa.runtime.policy import CompiledPolicy
 from dsa.tools.testing import runfile
 from models.vla_loop_checks import MASK, check_kept_loop_matches_eager, check_step_count_is_a_runtime_input

@@ -167,7 +167,7 @@ def _dsa_lerobot_policy_impl(ctx):
         ctx,
         python_env_of(ctx.attr.python_env),
         ctx.attr._lerobot_tool,
-        "dsa.frontends.lerobot.adapter",
+        "dsa.frontends.lerobot.cli",
         [args],
         depset([ctx.file.config]),
         outputs = [out_config, out_weights],

@@ -3,6 +3,7 @@
 dsa_policies: the package's policies (and pipelines), discovered from the targets dsa_policy made, as one
 index the tools read (bazel-bin/<pkg>/<name>.json) — so no tool keeps a list of models by hand."""
 
+load("@rules_python//python:defs.bzl", "py_library")
 load(":bucket.bzl", "dsa_bucket")
 load(":link.bzl", "dsa_pipeline")
 load(":model.bzl", "dsa_checkpoint", "dsa_lerobot_policy", "dsa_model")
@@ -177,7 +178,10 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
       * `<name>_index`: bazel-bin/<pkg>/<name>_index.json alone (each policy's name, label, module index and
         parity test; each pipeline's stages);
       * `<name>`: that index plus every policy's and pipeline's outputs (modules, records, MLIR, archives) as
-        files and runfiles: what the import matrix needs (`bazel build //models:policies` builds them all).
+        files and runfiles: what the import matrix needs (`bazel build //models:policies` builds them all);
+      * `<name>_code`: a py_library of every policy's model code (the dsa_models' `deps`), and
+        `<name>_checkpoints`: the seeded checkpoints dsa_policy made — what the benchmark reads, without
+        building (or fetching the environment of) any policy.
 
     Args:
       name: the target name.
@@ -186,6 +190,7 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
     """
     policies, tests, models = [], [], []
     pipelines, ptests = [], []
+    code, checkpoints = {}, []
     rules = native.existing_rules()
     for rule_name, r in rules.items():
         if r["kind"] == "dsa_vmfb" and POLICY_TAG in r.get("tags", []):
@@ -193,6 +198,10 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
             test = [t[len(_TEST_TAG):] for t in r["tags"] if t.startswith(_TEST_TAG)]
             tests.append(test[0] if test else "")
             models.append(":%s_model" % rule_name)
+            for dep in rules.get(rule_name + "_model", {}).get("deps", []):
+                code[dep] = True
+            if (rule_name + "_checkpoint") in rules:
+                checkpoints.append(":%s_checkpoint" % rule_name)
             if (rule_name + "_buckets") in rules:
                 models.append(":%s_buckets" % rule_name)
         elif r["kind"] == "dsa_pipeline":
@@ -212,5 +221,15 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
     _dsa_policy_set(
         name = name,
         srcs = [":%s_index" % name] + policies + pipelines + models,
+        **kwargs
+    )
+    py_library(
+        name = name + "_code",
+        deps = sorted(code.keys()),
+        **kwargs
+    )
+    native.filegroup(
+        name = name + "_checkpoints",
+        srcs = checkpoints,
         **kwargs
     )

@@ -438,7 +438,7 @@ def dsa_rules_analysis_tests(name):
         (dsa_lock_stage_code_test, "dsa_lock_of_models_pi0_records_only_stage_code", {"target_under_test": "//models:pi0"}),
         (dsa_lock_stage_code_test, "dsa_lock_records_stage_code_and_lerobot_frontend", {
             "target_under_test": ":lerobot_vmfb",
-            "frontend_source": "dsa/frontends/lerobot/adapter.py",
+            "frontend_source": "dsa/frontends/lerobot/__init__.py",
         }),
         (python_env_export_test, "dsa_model_with_python_env_exports_on_its_interpreter", {"target_under_test": ":env_model"}),
 

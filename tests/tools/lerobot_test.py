@@ -1,4 +1,4 @@
-"""dsa.frontends.lerobot.adapter: random-init LeRobot checkpoints, the export adapters' eager parity with LeRobot, the
+"""dsa.frontends.lerobot: random-init LeRobot checkpoints, the export adapters' eager parity with LeRobot, the
 tensorised DDIM step against diffusers, and the refusals. Eager only (no torch.export, no IREE); small
 configs so the file runs in well under two minutes."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsa.frontends.lerobot import adapter as lerobot
+import dsa.frontends.lerobot as lerobot
 from dsa.frontends.lerobot.third_party import openpi_transformers as lerobot_pi
 from dsa.core.errors import DsaError, run_cli
 
@@ -272,7 +272,7 @@ def test_shared_module_keeps_non_persistent_buffers_out_of_the_state_dict():
 
     policy = Policy()
     adapter = torch.nn.Module()
-    lerobot._SharedModule.share(adapter, policy)
+    lerobot.common._SharedModule.share(adapter, policy)
     assert list(adapter.state_dict()) == list(policy.state_dict()) == ["kept", "lin.weight", "lin.bias"]
     assert adapter.policy is policy and "policy" not in dict(adapter.named_children())
 
@@ -590,7 +590,7 @@ def test_pi_unrolled_matches_lerobot_predict_action_chunk_for_the_config_steps(r
 def test_pi_prefix_cache_is_read_only_so_denoise_steps_repeat(pi0_dir):
     policy = lerobot.load_pretrained(pi0_dir)
     inputs = _smolvla_inputs(_spec(pi0_dir, "kept"))
-    batch = lerobot._pi_batch(policy.config, [torch.from_numpy(inputs[k]) for k in (
+    batch = lerobot.pi.make_batch(policy.config, [torch.from_numpy(inputs[k]) for k in (
         "observation.images.top", "observation.images.wrist", "observation.state")],
         torch.from_numpy(inputs["observation.language.tokens"]),
         torch.from_numpy(inputs["observation.language.attention_mask"]))
@@ -627,7 +627,7 @@ def test_pi_bad_variant_names_are_refused_naming_the_field(tmp_path, field, name
 
 
 def test_pi_lerobot_names_still_go_to_lerobots_lookup():
-    _, policy_cls = lerobot._classes("pi0", "type")
+    _, policy_cls = lerobot.policy_classes("pi0", "type")
     modeling = __import__(policy_cls.__module__, fromlist=["get_gemma_config"])
     config = modeling.get_gemma_config("gemma_300m")
     assert (config.width, config.depth, config.head_dim) == (1024, 18, 256)
@@ -669,7 +669,7 @@ def test_smolvla_outputs_are_the_same_before_and_after_the_pi_patch(smolvla_dir)
 
     script = (
         "import sys, numpy as np\n"
-        "from dsa.frontends.lerobot import adapter as lerobot\n"
+        "import dsa.frontends.lerobot as lerobot\n"
         "from dsa.frontends.lerobot.third_party import openpi_transformers as lerobot_pi\n"
         "d = sys.argv[1]; rng = np.random.default_rng(0)\n"
         "x = {'observation.images.top': rng.random((1, 3, 24, 40), dtype=np.float32),\n"
