@@ -101,7 +101,7 @@ def compile_flags(view: dict, target: dict, where: str, tuning: Optional[dict] =
             *REPRODUCIBILITY_FLAGS]
 
 
-def _iree_compile() -> str:
+def iree_compile_path() -> str:
     from iree.compiler.tools.binaries import find_tool
 
     return find_tool("iree-compile")
@@ -113,17 +113,17 @@ def _compiler_version() -> str:
     return metadata.version("iree-base-compiler")
 
 
-def _first_error(stderr: str) -> str:
+def first_error_line(stderr: str) -> str:
     lines = [l for l in stderr.splitlines() if "error:" in l]
     return (lines[0] if lines else stderr.strip().splitlines()[-1] if stderr.strip() else "no message")
 
 
 def run_iree_compile(mlir: Path, flags: List[str], output: Path, where: str) -> str:
     """Runs iree-compile; returns its stderr. Raises DsaError, naming the failing op, on failure."""
-    proc = subprocess.run([_iree_compile(), str(mlir), *flags, "-o", str(output)],
+    proc = subprocess.run([iree_compile_path(), str(mlir), *flags, "-o", str(output)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        message = _first_error(proc.stderr)
+        message = first_error_line(proc.stderr)
         hint = "see the compiler's message; run `iree-compile` with the same flags to reproduce"
         if "failed to legalize operation" in message:
             hint = "the model uses an op IREE cannot lower for this target: rewrite or decompose it"

@@ -119,7 +119,7 @@ _UNSUPPORTED = re.compile(r'torch\.operator "([^"]+)"')
 _NAMED_PARAMETER = re.compile(r'#flow\.parameter\.named<"' + PARAMETER_SCOPE + r'"::"([^"]+)">')
 
 
-def _check_supported_ops(mlir: str, exported, where: str) -> None:
+def check_supported_ops(mlir: str, exported, where: str) -> None:
     """An op the importer could not map to the torch dialect fails late in iree-compile; fail here instead,
     naming the op and the model module it came from."""
     ops = sorted(set(_UNSUPPORTED.findall(mlir)))
@@ -333,7 +333,7 @@ def export_model(
 
     output = aot.export(exported)
     mlir = str(output.mlir_module)
-    _check_supported_ops(mlir, exported, where)
+    check_supported_ops(mlir, exported, where)
 
     # The module's parameters as the MLIR names them; a tensor the graph never reads is not among them.
     named = set(_NAMED_PARAMETER.findall(mlir))

@@ -647,7 +647,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             raise DsaError("--models", f"no bench subject {', '.join(unknown)}",
                            f"known: {', '.join(s.name for s in subjects)}")
         subjects = [s for s in subjects if s.name in a.models]
-    _set_iree_threads(a.threads)
+    set_iree_threads(a.threads)
     results = {
         "format": RESULTS_FORMAT,
         "date": time.strftime("%Y-%m-%d"),
@@ -671,7 +671,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"dsa-bench: wrote {out_dir / 'RESULTS.md'}, results.json, results.png")
 
 
-def _set_iree_threads(threads: int) -> None:
+def set_iree_threads(threads: int) -> None:
     """IREE's local-task driver: one worker per requested thread, like torch and ONNX Runtime."""
     import iree.runtime as rt
 

@@ -275,7 +275,7 @@ def run_measured(cmd: Sequence[str]) -> dict:
 
 def measure_compile(module: dict, work: Path, where: str) -> dict:
     """Re-runs iree-compile on a module's built MLIR with exactly its compile report's flags; compares bytes."""
-    from dsa.stages.compile import _first_error, _iree_compile  # the build's own compiler binary and error digest
+    from dsa.stages.compile import first_error_line, iree_compile_path  # the build's own compiler binary and error digest
     from dsa.core.fileio import sha256_file
 
     report = json.loads(module["report"].read_text())
@@ -284,10 +284,10 @@ def measure_compile(module: dict, work: Path, where: str) -> dict:
         raise DsaError(where, f"{module['mlir'].name} is not the MLIR its compile report names "
                        f"({mlir_sha[:12]} vs {report['mlir_sha256'][:12]})", "rebuild the model")
     out = work / "rerun.vmfb"
-    cmd = [_iree_compile(), str(module["mlir"]), *report["flags"], "-o", str(out)]
+    cmd = [iree_compile_path(), str(module["mlir"]), *report["flags"], "-o", str(out)]
     result = run_measured(cmd)
     if result["returncode"] != 0:
-        raise DsaError(where, f"iree-compile failed on re-run: {_first_error(result['stderr']).strip()}",
+        raise DsaError(where, f"iree-compile failed on re-run: {first_error_line(result['stderr']).strip()}",
                        f"reproduce with: {shlex.join(cmd)}")
     built = module["vmfb"].read_bytes()
     rerun = out.read_bytes()
@@ -332,9 +332,9 @@ def sample_values(record: dict, flow_steps: Optional[int]) -> Tuple[dict, str]:
 
 def benchmark_command(vmfb: Path, *, driver: str, irpa: Path, scope: str, function: str, inputs: Sequence[str],
                       runs: int, threads: int) -> List[str]:
-    from dsa.tools.profiler import _runtime_tool  # iree-base-runtime's own tools, as dsa-profile finds them
+    from dsa.tools.profiler import runtime_tool_path  # iree-base-runtime's own tools, as dsa-profile finds them
 
-    return [_runtime_tool("iree-benchmark-module"), f"--module={vmfb}", f"--device={driver}",
+    return [runtime_tool_path("iree-benchmark-module"), f"--module={vmfb}", f"--device={driver}",
             f"--parameters={scope}={irpa}", f"--function={function}", *inputs,
             f"--task_topology_max_group_count={threads}",
             "--benchmark_min_time=1x", f"--benchmark_repetitions={runs}",
@@ -358,7 +358,7 @@ def parse_benchmark(stdout: str) -> List[float]:
 
 
 def measure_latency(unit: Unit, module: dict, work: Path, *, runs: int, threads: int, where: str) -> dict:
-    from dsa.tools.profiler import _input_flags
+    from dsa.tools.profiler import benchmark_input_flags
 
     record = json.loads(module["record"].read_text())
     runtime_view = json.loads((unit.base / unit.index["runtime_view"]).read_text())
@@ -366,7 +366,7 @@ def measure_latency(unit: Unit, module: dict, work: Path, *, runs: int, threads:
     values, described = sample_values(record, runtime_view.get("flow_steps"))
     described = described or "static shapes"
     specs = [argparse.Namespace(name=s["name"], dtype=s["dtype"]) for s in record["inputs"]]
-    inputs = _input_flags(specs, values, work)
+    inputs = benchmark_input_flags(specs, values, work)
     irpa = unit.base / unit.index["parameter_archive"]
     common = dict(driver=target_spec["runtime_driver"], irpa=irpa, scope=unit.index["parameter_scope"],
                   function=record.get("function", "main"), inputs=inputs, threads=threads)

@@ -305,7 +305,7 @@ def _body_serials(func, noise: set) -> collections.Counter:
 # -- the profiler ----------------------------------------------------------------------------------------
 
 
-def _runtime_tool(name: str) -> str:
+def runtime_tool_path(name: str) -> str:
     try:
         import iree._runtime_libs as libs
 
@@ -331,7 +331,7 @@ def run_profiler(vmfb: Path, *, driver: str, parameters: Path, scope: str, funct
     profile's per-function dispatch groups (iree-profile dispatch rows) and the benchmark's own timing (its
     google-benchmark JSON entry)."""
     profile = out / "profile.ireeprof"
-    cmd = [_runtime_tool("iree-benchmark-module"), f"--module={vmfb}", f"--device={driver}",
+    cmd = [runtime_tool_path("iree-benchmark-module"), f"--module={vmfb}", f"--device={driver}",
            f"--parameters={scope}={parameters}", f"--function={function}",
            *inputs, f"--benchmark_min_time={runs}x", "--benchmark_format=json",
            f"--device_profiling_mode={_profiling_mode(driver)}", f"--device_profiling_output={profile}"]
@@ -348,7 +348,7 @@ def run_profiler(vmfb: Path, *, driver: str, parameters: Path, scope: str, funct
         lines = (proc.stderr + "\n" + proc.stdout).strip().splitlines() or ["no output"]
         message = next((l for l in lines if "error" in l.lower()), lines[-1])
         raise DsaError(where, f"iree-benchmark-module failed: {message.strip()}", reproduce)
-    report = subprocess.run([_runtime_tool("iree-profile"), "dispatch", "--format=jsonl", str(profile)],
+    report = subprocess.run([runtime_tool_path("iree-profile"), "dispatch", "--format=jsonl", str(profile)],
                             capture_output=True, text=True)
     if report.returncode != 0:
         raise DsaError(where, f"iree-profile failed: {report.stderr.strip()[-300:]}")
@@ -455,7 +455,7 @@ _IREE_ELEMENT_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "
                        "int8": "i8", "uint8": "ui8", "bool": "i1"}
 
 
-def _input_flags(traced_inputs, values: Mapping[str, object], work: Path) -> List[str]:
+def benchmark_input_flags(traced_inputs, values: Mapping[str, object], work: Path) -> List[str]:
     import numpy as np
 
     flags = []
@@ -554,7 +554,7 @@ def profile_model(
     (toolchains/tuning/...json) as the build applies it. `rewrites`: the graph rewrites to trace with
     (None: the manifest's). `keep_dir`: keep the MLIR, executable sources, .vmfb and profile there."""
     from dsa.stages.compile import compile_flags, run_iree_compile
-    from dsa.stages.export import PARAMETER_SCOPE, _check_supported_ops, trace_model
+    from dsa.stages.export import PARAMETER_SCOPE, check_supported_ops, trace_model
     from dsa.core.fileio import read_json, sha256_file
     from dsa.manifest.contract import load_manifest, project
     from dsa.stages.params import build_params
@@ -590,7 +590,7 @@ def profile_model(
         from iree.turbine import aot
 
         mlir = aot.export(traced.exported).mlir_module.operation.get_asm(enable_debug_info=True)
-        _check_supported_ops(mlir, traced.exported, traced.where)
+        check_supported_ops(mlir, traced.exported, traced.where)
         mlir_path = work / "model.mlir"
         mlir_path.write_text(mlir)
         record = _parameter_record(traced, mlir, view)
@@ -615,7 +615,7 @@ def profile_model(
         timings["compile_s"] = time.monotonic() - start
         sources = map_dispatches(sources_path.read_text(), nodes)
 
-        input_flags = _input_flags(traced.traced_inputs, values, work)
+        input_flags = benchmark_input_flags(traced.traced_inputs, values, work)
         start = time.monotonic()
         groups, bench = run_profiler(vmfb, driver=target["runtime_driver"], parameters=irpa, scope=PARAMETER_SCOPE,
                                      function="main", inputs=input_flags, runs=runs, out=work, where=where)
