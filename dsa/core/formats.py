@@ -15,6 +15,13 @@ from dsa.core.fileio import canonical_json, read_json, write_bytes_atomic
 
 # <name>.modules.json: the module index the runtime loads (dsa_vmfb, dsa compile).
 INDEX_FORMAT = 1
+# export_record.json: what DsaExport traced (inputs, outputs, parameters, op histogram).
+RECORD_FORMAT = 1
+# compile_report.json: how DsaCompile compiled one module (flags, dispatches, sizes, digests).
+REPORT_FORMAT = 1
+# bundle.json and build_report.json inside a release bundle (docs/bundle-format.md).
+BUNDLE_FORMAT = 1
+BUILD_REPORT_FORMAT = 1
 # Parameter archives (.irpa): each entry's metadata is this prefix + JSON {type, dtype, shape}, as
 # iree-turbine's ParameterArchiveBuilder writes it, so turbine's ParameterArchive reads ours back.
 PARAMETER_METADATA_PREFIX = "PYTORCH:"
@@ -73,3 +80,82 @@ class ModuleIndex:
     @classmethod
     def read(cls, path: Path) -> "ModuleIndex":
         return cls.from_json(read_json(path), str(path))
+
+
+class JsonArtifact:
+    """A JSON artifact of the rule set: KIND names it in messages, FORMAT is its version, REQUIRED the fields
+    every instance has. Each subclass is the one writer (`write`, `dumps`: checked, canonical JSON, written
+    atomically) and reader (`read`, `check`: another format or a missing field is refused, naming the file)
+    of its format."""
+
+    KIND = "artifact"
+    FORMAT = 0
+    REQUIRED: Tuple[str, ...] = ()
+
+    @classmethod
+    def check(cls, data, where: str) -> dict:
+        if not isinstance(data, dict):
+            raise DsaError(where, f"is not a {cls.KIND} (a JSON object)", "rebuild it")
+        if data.get("format") != cls.FORMAT:
+            raise DsaError(where, f"{cls.KIND} format {data.get('format')!r} is not supported",
+                           f"this release reads format {cls.FORMAT}")
+        missing = [name for name in cls.REQUIRED if name not in data]
+        if missing:
+            raise DsaError(where, f"{cls.KIND} lacks {', '.join(missing)}", "rebuild it")
+        return data
+
+    @classmethod
+    def read(cls, path) -> dict:
+        return cls.check(read_json(path), str(path))
+
+    @classmethod
+    def dumps(cls, data: dict) -> bytes:
+        cls.check(data, f"the {cls.KIND} being written")
+        return canonical_json(data).encode("utf-8")
+
+    @classmethod
+    def write(cls, path, data: dict) -> None:
+        write_bytes_atomic(Path(path), cls.dumps(data))
+
+
+class ExportRecord(JsonArtifact):
+    KIND = "export record"
+    FORMAT = RECORD_FORMAT
+    REQUIRED = ("model_id", "function", "parameter_scope", "inputs", "outputs", "parameters")
+
+
+class CompileReport(JsonArtifact):
+    KIND = "compile report"
+    FORMAT = REPORT_FORMAT
+    REQUIRED = ("model_id", "target", "flags", "mlir_sha256", "vmfb_sha256")
+
+
+class Lock(JsonArtifact):
+    KIND = "recipe lock"
+    FORMAT = LOCK_FORMAT
+    REQUIRED = ("model_id", "target", "manifest", "checkpoint", "tool_sources", "modules")
+
+
+class Link(JsonArtifact):
+    KIND = "link"
+    FORMAT = LINK_FORMAT
+    REQUIRED = ("stages", "edges", "inputs", "outputs")
+
+
+class PipelineIndex(JsonArtifact):
+    KIND = "pipeline index"
+    FORMAT = PIPELINE_INDEX_FORMAT
+    REQUIRED = ("link", "stages")
+
+
+class BundleMeta(JsonArtifact):
+    """bundle.json (read by dsa.runtime.bundle.read_bundle_json, which names newer formats for the user)."""
+
+    KIND = "bundle"
+    FORMAT = BUNDLE_FORMAT
+    REQUIRED = ("files",)
+
+
+class BuildReport(JsonArtifact):
+    KIND = "build report"
+    FORMAT = BUILD_REPORT_FORMAT

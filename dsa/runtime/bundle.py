@@ -45,12 +45,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import atomic_output, canonical_json, read_json, sha256_file
-from dsa.core.formats import LINK_FORMAT, LOCK_FORMAT, PIPELINE_INDEX_FORMAT
-from dsa.core.formats import ModuleIndex
+from dsa.core.formats import (BUILD_REPORT_FORMAT, BUNDLE_FORMAT, PIPELINE_INDEX_FORMAT, BuildReport, BundleMeta,
+                              CompileReport, ExportRecord, Link, Lock, ModuleIndex, PipelineIndex)
 from dsa.runtime.policy import read_module_index
 
-BUNDLE_FORMAT = 1
-BUILD_REPORT_FORMAT = 1
 
 # Fixed member metadata. The mtime is rules_pkg's "portable" 2000-01-01T00:00:00Z: a constant that every
 # tar implementation extracts without a warning (0, the epoch, draws "implausibly old time stamp").
@@ -231,10 +229,7 @@ def _collect(*, lock: Path, manifest: Path, runtime_view: Path, target_spec: Pat
     """Reads one model's files and checks them against its lock (so a bundle's lock always describes its own
     files); returns them with their digests, sizes and module index."""
     lock_path = Path(lock)
-    lock_data = read_json(lock_path)
-    if lock_data.get("format") != LOCK_FORMAT:
-        raise DsaError(str(lock_path), f"recipe lock format {lock_data.get('format')} is not supported",
-                       f"this release bundles lock format {LOCK_FORMAT}")
+    lock_data = Lock.read(lock_path)
     if not modules:
         raise DsaError("dsa-bundle", "no modules to bundle", "pass at least one --module")
 
@@ -254,8 +249,8 @@ def _collect(*, lock: Path, manifest: Path, runtime_view: Path, target_spec: Pat
         payload[f"{m.name}.vmfb"] = Path(m.vmfb)
         payload[f"{m.name}.export_record.json"] = Path(m.export_record)
         payload[f"{m.name}.compile_report.json"] = Path(m.compile_report)
-        records[m.name] = read_json(m.export_record)
-        reports[m.name] = read_json(m.compile_report)
+        records[m.name] = ExportRecord.read(m.export_record)
+        reports[m.name] = CompileReport.read(m.compile_report)
 
     digests = {name: sha256_file(path) for name, path in payload.items()}
     sizes = {name: path.stat().st_size for name, path in payload.items()}
@@ -338,8 +333,8 @@ def create_bundle(
     lock_data, payload, digests, sizes, index = stage.lock, stage.payload, stage.digests, stage.sizes, stage.index
     manifest_source = manifest_source or Path(manifest).name
     generated: Dict[str, bytes] = {
-        INDEX_JSON: _json_bytes(index),
-        BUILD_REPORT_JSON: _json_bytes(_build_report(lock_data, stage.records, stage.reports, sizes, digests)),
+        INDEX_JSON: ModuleIndex.from_json(index, INDEX_JSON).text().encode("utf-8"),
+        BUILD_REPORT_JSON: BuildReport.dumps(_build_report(lock_data, stage.records, stage.reports, sizes, digests)),
     }
     for name, data in generated.items():
         digests[name], sizes[name] = hashlib.sha256(data).hexdigest(), len(data)
@@ -361,7 +356,7 @@ def create_bundle(
         "index": index,
         "files": {name: {"sha256": digests[name], "size": sizes[name]} for name in sorted(digests)},
     }
-    generated[BUNDLE_JSON] = _json_bytes(meta)
+    generated[BUNDLE_JSON] = BundleMeta.dumps(meta)
     return _write_archive(out, payload, generated, sizes, digest_out)
 
 
@@ -403,9 +398,7 @@ def create_pipeline_bundle(out: Path, *, link: Path, stages: Sequence[StageInput
     the bundle's own modules."""
     out = Path(out)
     link_path = Path(link)
-    link_data = read_json(link_path)
-    if not isinstance(link_data, dict) or link_data.get("format") != LINK_FORMAT:
-        raise DsaError(str(link_path), "is not a link this release bundles", f"link format {LINK_FORMAT}")
+    link_data = Link.read(link_path)
     names = [s.name for s in stages]
     linked = [s["name"] for s in link_data["stages"]]
     if names != linked:
@@ -427,7 +420,7 @@ def create_pipeline_bundle(out: Path, *, link: Path, stages: Sequence[StageInput
         for name, path in c.payload.items():
             payload[prefix + name] = path
         index = _prefixed_index(c.index, prefix)
-        generated[prefix + INDEX_JSON] = _json_bytes(index)
+        generated[prefix + INDEX_JSON] = ModuleIndex.from_json(index, prefix + INDEX_JSON).text().encode("utf-8")
         collected.append((stage, c, index))
 
     targets = sorted({c.lock["target"] for _, c, _ in collected})
@@ -439,9 +432,9 @@ def create_pipeline_bundle(out: Path, *, link: Path, stages: Sequence[StageInput
         "link": LINK_JSON,
         "stages": [{"name": s.name, "index": s.name + "." + INDEX_JSON} for s, _, _ in collected],
     }
-    generated[PIPELINE_JSON] = _json_bytes(pipeline)
+    generated[PIPELINE_JSON] = PipelineIndex.dumps(pipeline)
     bundle_name = out.name[:-len(".tar")] if out.name.endswith(".tar") else out.name
-    generated[BUILD_REPORT_JSON] = _json_bytes({
+    generated[BUILD_REPORT_JSON] = BuildReport.dumps({
         "format": BUILD_REPORT_FORMAT,
         "model_id": bundle_name,
         "target": targets[0],
@@ -511,7 +504,7 @@ def create_pipeline_bundle(out: Path, *, link: Path, stages: Sequence[StageInput
         ],
         "files": {name: {"sha256": digests[name], "size": sizes[name]} for name in sorted(digests)},
     }
-    generated[BUNDLE_JSON] = _json_bytes(meta)
+    generated[BUNDLE_JSON] = BundleMeta.dumps(meta)
     return _write_archive(out, payload, generated, sizes, digest_out)
 
 
@@ -521,7 +514,7 @@ def pipeline_inputs(pipeline_index: Path, manifests: Dict[str, Tuple[Path, Optio
     pipeline_index = Path(pipeline_index)
     if not pipeline_index.is_file():
         raise DsaError(str(pipeline_index), "no such pipeline index", "build the dsa_pipeline first")
-    data = read_json(pipeline_index)
+    data = PipelineIndex.read(pipeline_index)
     base = pipeline_index.parent
     if not (base / data["link"]).is_file():
         raise DsaError(str(base / data["link"]), "no such link file", "build the dsa_pipeline first")
@@ -606,11 +599,11 @@ class OpenedBundle:
     @property
     def lock(self) -> dict:
         self._single("recipe lock")
-        return read_json(self.root / self.meta["lock"])
+        return Lock.read(self.root / self.meta["lock"])
 
     @property
     def build_report(self) -> dict:
-        return read_json(self.root / self.meta["build_report"])
+        return BuildReport.read(self.root / self.meta["build_report"])
 
     @property
     def provenance(self) -> dict:

@@ -25,7 +25,7 @@ import numpy as np
 from dsa.core.errors import DsaError
 from dsa.core.fileio import read_json
 
-from dsa.core.formats import INDEX_FORMAT, PARAMETER_METADATA_PREFIX, ModuleIndex  # noqa: F401 (re-exported)
+from dsa.core.formats import INDEX_FORMAT, PARAMETER_METADATA_PREFIX, ExportRecord, ModuleIndex  # noqa: F401 (re-exported)
 
 
 def read_archive_metadata(irpa: Path) -> dict:
@@ -71,7 +71,7 @@ class CompiledPolicy:
         self.index = index
         self.target_spec = read_json(base / index["target_spec"])
         self.driver = driver or self.target_spec["runtime_driver"]
-        self.modules = [Module(read_json(base / m["record"]), base / m["vmfb"]) for m in index["modules"]]
+        self.modules = [Module(ExportRecord.read(base / m["record"]), base / m["vmfb"]) for m in index["modules"]]
         self.model_id = self.modules[0].record["model_id"]
         # Smallest bucket first, so the first module that holds an input is the tightest fit.
         self.modules.sort(key=lambda m: (m.bucket is None, m.bucket["size"] if m.bucket else 0))

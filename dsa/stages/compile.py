@@ -19,8 +19,8 @@ from typing import List, Optional
 
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import atomic_output, read_json, sha256_file, write_json_atomic
+from dsa.core.formats import REPORT_FORMAT, CompileReport
 
-REPORT_FORMAT = 1
 TUNING_FORMAT = 1
 REPRODUCIBILITY_FLAGS = [
     "--iree-vm-bytecode-module-strip-source-map=true",
@@ -167,7 +167,7 @@ def compile_module(
         "iree_base_compiler": _compiler_version(),
     }
     if out_report is not None:
-        write_json_atomic(out_report, report)
+        CompileReport.write(out_report, report)
     return report
 
 

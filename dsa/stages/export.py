@@ -27,11 +27,11 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 from dsa.stages import importer_fixes
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, sha256_bytes, sha256_file, write_bytes_atomic, write_json_atomic
+from dsa.core.formats import RECORD_FORMAT, ExportRecord
 from dsa.stages.quant import quantize_module
 from dsa.stages.spec import DTYPE_NAMES, ExportSpec, InputSpec
 
 PARAMETER_SCOPE = "model"
-RECORD_FORMAT = 1
 # Upper bound given to torch.export for a dynamic dim. IREE does not enforce it at run time; the runner does.
 DYNAMIC_DIM_MAX = 65536
 # Seed of the example inputs used for tracing (values never reach the artifact, only shapes do).
@@ -427,7 +427,7 @@ def export_model(
         )
 
     write_bytes_atomic(out_mlir, mlir.encode("utf-8"))
-    write_json_atomic(out_record, record)
+    ExportRecord.write(out_record, record)
     return record
 
 

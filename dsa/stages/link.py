@@ -33,6 +33,7 @@ name. Before running it checks that the loaded modules are the ones the link des
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import time
 from pathlib import Path
@@ -41,7 +42,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, sha256_file, write_json_atomic
 
-from dsa.core.formats import LINK_FORMAT, PIPELINE_INDEX_FORMAT  # noqa: E402 (re-exported)
+from dsa.core.formats import LINK_FORMAT, PIPELINE_INDEX_FORMAT, Link, PipelineIndex  # noqa: E402 (formats re-exported)
 
 _STAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _HINT_MISMATCH = ("make the two models agree on the edge: change the consumer's manifest (its model.config) or "
@@ -216,11 +217,7 @@ def edges_of(link_data: dict) -> List[Tuple[str, str]]:
 
 
 def read_link(path: Path) -> dict:
-    data = read_json(path)
-    if not isinstance(data, dict) or data.get("format") != LINK_FORMAT:
-        raise DsaError(str(path), f"link format {data.get('format') if isinstance(data, dict) else None!r} is "
-                       f"not supported", f"this release reads link format {LINK_FORMAT}")
-    return data
+    return Link.read(path)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -234,10 +231,7 @@ class CompiledPipeline:
         from dsa.runtime.policy import CompiledPolicy
 
         pipeline_index = Path(pipeline_index)
-        index = read_json(pipeline_index)
-        if not isinstance(index, dict) or index.get("format") != PIPELINE_INDEX_FORMAT:
-            raise DsaError(str(pipeline_index), "is not a pipeline index this release reads",
-                           f"pass the NAME.pipeline.json a dsa_pipeline wrote (format {PIPELINE_INDEX_FORMAT})")
+        index = PipelineIndex.read(pipeline_index)
         base = pipeline_index.parent
         self.index = index
         self.link = read_link(base / index["link"])
@@ -340,6 +334,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     k.add_argument("--edge", action="append", default=[], type=_edge_arg,
                    help="CONSUMER_STAGE.INPUT=PRODUCER_STAGE.OUTPUT (repeat per edge)")
     k.add_argument("--out", required=True, help="link.json to write (only when every check passes)")
+    k.add_argument("--pipeline-out", help="also write the pipeline index (NAME.pipeline.json) here: the link and "
+                   "each stage's module index, relative to it")
     r = sub.add_parser("run", help="run a linked pipeline on a generated sample")
     source = r.add_mutually_exclusive_group(required=True)
     source.add_argument("--pipeline", help="pipeline index (NAME.pipeline.json) from dsa_pipeline")
@@ -356,7 +352,15 @@ def main(argv: Optional[List[str]] = None) -> None:
             if not sep:
                 raise DsaError("--stage", f"'{value}' is not NAME=FILE")
             stages.append(Stage.load(name, Path(path)))
-        write_json_atomic(Path(a.out), link(stages, a.edge))
+        Link.write(Path(a.out), link(stages, a.edge))
+        if a.pipeline_out:
+            base = os.path.dirname(a.pipeline_out)
+            PipelineIndex.write(Path(a.pipeline_out), {
+                "format": PIPELINE_INDEX_FORMAT,
+                "link": os.path.relpath(a.out, base),
+                "stages": [{"name": value.partition("=")[0], "index": os.path.relpath(value.partition("=")[2], base)}
+                           for value in a.stage],
+            })
         return
     if a.pipeline:
         _run(a, Path(a.pipeline))

@@ -19,7 +19,7 @@ from typing import Dict, List, Mapping, Optional
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, sha256_file, write_json_atomic
 
-from dsa.core.formats import LOCK_FORMAT, ModuleIndex  # noqa: E402 (LOCK_FORMAT re-exported)
+from dsa.core.formats import LOCK_FORMAT, Lock, ModuleIndex  # noqa: E402 (LOCK_FORMAT re-exported)
 
 
 @dataclasses.dataclass
@@ -165,7 +165,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         policy_config=Path(a.policy_config) if a.policy_config else None,
         export_identity=read_json(a.export_identity) if a.export_identity else None,
     )
-    write_json_atomic(a.out, lock)
+    Lock.write(a.out, lock)
     if a.index_out:
         _write_index(a, modules)
 

@@ -20,6 +20,7 @@ from dsa.stages.quant import SCALE_SUFFIX, quantize_weight, scale_name, source_o
 
 # Same metadata form as iree-turbine's ParameterArchiveBuilder, so turbine's ParameterArchive reads it back.
 from dsa.core.formats import PARAMETER_METADATA_PREFIX as _METADATA_PREFIX
+from dsa.core.formats import ExportRecord
 
 
 def _metadata(dtype: str, shape) -> str:
@@ -124,7 +125,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--manifest-name", default="manifest")
     parser.add_argument("--out", required=True)
     a = parser.parse_args(argv)
-    build_params(Path(a.checkpoint), read_json(a.view), read_json(a.record), Path(a.out),
+    build_params(Path(a.checkpoint), read_json(a.view), ExportRecord.read(a.record), Path(a.out),
                  manifest_name=a.manifest_name)
 
 

@@ -23,7 +23,7 @@ from dsa.core.fileio import read_json, write_json_atomic
 from dsa.core.identity import identity
 from dsa.stages.lock import ModuleFiles, make_lock, stage_source_files
 from dsa.manifest.contract import load_manifest, project
-from dsa.core.formats import ModuleIndex
+from dsa.core.formats import Lock, ModuleIndex
 from dsa.stages.params import build_params
 
 
@@ -121,7 +121,7 @@ def run_pipeline(
             runtime_view="runtime_view.json",
             modules=tuple((m["vmfb"], m["record"]) for m in modules),
         ).write(index)
-        write_json_atomic(out / f"{target_name}.lock.json", make_lock(
+        Lock.write(out / f"{target_name}.lock.json", make_lock(
             manifest=manifest_path,
             views=dict(view_files, compile=compile_view_file),
             checkpoint=checkpoint,

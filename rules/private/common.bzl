@@ -131,17 +131,6 @@ def repo_relative(f):
     """A file's path inside its own repository (`dsa/stages/export.py`), the same in every checkout and workspace."""
     return f.short_path.split("/", 2)[2] if f.short_path.startswith("../") else f.short_path
 
-def relative_path(path, start):
-    """`path` relative to directory `start` (both workspace-relative short paths)."""
-    p = path.split("/")
-    s = start.split("/") if start else []
-    common = 0
-    for i in range(min(len(p), len(s))):
-        if p[i] != s[i]:
-            break
-        common = i + 1
-    return "/".join([".."] * (len(s) - common) + p[common:])
-
 def _dsa_target_impl(ctx):
     return [
         DefaultInfo(files = depset([ctx.file.spec])),

@@ -1,6 +1,6 @@
 """dsa_pipeline: compiled models (dsa_vmfb) linked into one pipeline by the tensors they exchange."""
 
-load(":common.bzl", "ACTION_ENV", "execution_requirements", "relative_path")
+load(":common.bzl", "ACTION_ENV", "execution_requirements")
 load(":providers.bzl", "DsaModuleInfo", "DsaPipelineInfo")
 
 def _dsa_pipeline_impl(ctx):
@@ -8,6 +8,7 @@ def _dsa_pipeline_impl(ctx):
     stages = [s[DsaModuleInfo] for s in ctx.attr.stages]
     stage_names = [s.label.name for s in ctx.attr.stages]
     link = ctx.actions.declare_file(name + ".link.json")
+    index = ctx.actions.declare_file(name + ".pipeline.json")
 
     args = ctx.actions.args()
     args.add("link")
@@ -15,6 +16,7 @@ def _dsa_pipeline_impl(ctx):
         args.add("--stage", "%s=%s" % (stage_name, stage.index.path))
     args.add_all(["%s=%s" % (c, p) for c, p in ctx.attr.edges.items()], before_each = "--edge")
     args.add("--out", link)
+    args.add("--pipeline-out", index)
     ctx.actions.run(
         executable = ctx.executable._link_tool,
         arguments = [args],
@@ -22,24 +24,15 @@ def _dsa_pipeline_impl(ctx):
             [ctx.file._toolchain_identity] + [s.index for s in stages],
             transitive = [depset(s.records) for s in stages],
         ),
-        outputs = [link],
+        outputs = [link, index],
         mnemonic = "DsaLink",
         progress_message = "Linking %s: checking the edges between %s" % (ctx.label, ", ".join(stage_names)),
         env = ACTION_ENV,
         execution_requirements = execution_requirements(ctx),
     )
 
-    # Analysis-time data (file names only), like dsa_vmfb's module index.
-    index = ctx.actions.declare_file(name + ".pipeline.json")
-    base = index.short_path.rpartition("/")[0]
-    ctx.actions.write(index, json.encode_indent(struct(
-        format = 1,
-        link = relative_path(link.short_path, base),
-        stages = [
-            struct(name = n, index = relative_path(s.index.short_path, base))
-            for n, s in zip(stage_names, stages)
-        ],
-    )) + "\n")
+    # The pipeline index (the link and each stage's module index) is written by the same action, through
+    # dsa.core.formats.PipelineIndex, its one writer.
 
     # Each stage's files (modules, records, reports, index, lock, parameters, runtime view, target spec).
     stage_files = [s[DefaultInfo].files for s in ctx.attr.stages]

@@ -163,10 +163,21 @@ def test_cli_refuses_two_edges_into_one_input(tmp_path):
     assert not (tmp_path / "l.json").exists()
 
 
-def test_the_bundle_writer_reads_this_link_format():
-    """The bundle reader (runtime) and the link stage read the link and pipeline index formats from dsa.core.formats."""
-    import dsa.runtime.bundle
-    import dsa.stages.link
+def test_the_link_the_cli_writes_is_what_the_bundle_writer_reads(tmp_path):
+    """link.json is written and read only through dsa.core.formats.Link: what `dsa link link` writes, the bundle
+    writer's and the pipeline runner's reader accept; another format or a missing field is refused, naming the
+    file."""
+    from dsa.core.formats import Link
 
-    assert dsa.runtime.bundle.LINK_FORMAT == dsa.stages.link.LINK_FORMAT
-    assert dsa.runtime.bundle.PIPELINE_INDEX_FORMAT == dsa.stages.link.PIPELINE_INDEX_FORMAT
+    bb, head = _write(tmp_path / "bb.json", BACKBONE), _write(tmp_path / "head.json", HEAD)
+    out = tmp_path / "link.json"
+    proc = _cli("link", "--stage", f"bb={bb}", "--stage", f"head={head}", "--edge", "head.features=bb.features",
+                "--edge", "head.mask=bb.mask", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert Link.read(out) == json.loads(out.read_text())
+    out.write_text(json.dumps(dict(json.loads(out.read_text()), format=2)))
+    with pytest.raises(DsaError, match="link.json: link format 2 is not supported"):
+        Link.read(out)
+    out.write_text(json.dumps({"format": 1, "stages": []}))
+    with pytest.raises(DsaError, match="link.json: link lacks edges, inputs, outputs"):
+        Link.read(out)
