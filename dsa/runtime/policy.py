@@ -14,7 +14,6 @@ IREE runtime would accept a tensor of the wrong shape silently.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from dsa.core.errors import DsaError, run_cli
-from dsa.core.fileio import atomic_output, read_json, sha256_file, write_json_atomic
+from dsa.core.fileio import atomic_output, read_json, sha256_file
 from dsa.core.formats import REPORT_FORMAT, CompileReport
 
 TUNING_FORMAT = 1

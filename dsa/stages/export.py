@@ -26,7 +26,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 from dsa.stages import importer_fixes
 from dsa.core.errors import DsaError, run_cli
-from dsa.core.fileio import read_json, sha256_bytes, sha256_file, write_bytes_atomic, write_json_atomic
+from dsa.core.fileio import read_json, sha256_bytes, sha256_file, write_bytes_atomic
 from dsa.core.formats import RECORD_FORMAT, ExportRecord
 from dsa.stages.quant import quantize_module
 from dsa.stages.spec import DTYPE_NAMES, ExportSpec, InputSpec

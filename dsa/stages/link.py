@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from dsa.core.errors import DsaError, run_cli
-from dsa.core.fileio import read_json, sha256_file, write_json_atomic
+from dsa.core.fileio import read_json, sha256_file
 
 from dsa.core.formats import LINK_FORMAT, PIPELINE_INDEX_FORMAT, Link, PipelineIndex  # noqa: E402 (formats re-exported)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional
 
 from dsa.core.errors import DsaError, run_cli
-from dsa.core.fileio import read_json, sha256_file, write_json_atomic
+from dsa.core.fileio import read_json, sha256_file
 
 from dsa.core.formats import LOCK_FORMAT, Lock, ModuleIndex  # noqa: E402 (LOCK_FORMAT re-exported)
 

@@ -1,7 +1,5 @@
 """Benchmark and tuner logic, and the tuning data in toolchains/tuning (no timing is asserted anywhere)."""
 
-from pathlib import Path
-
 import pytest
 
 from dsa.tools import bench
