@@ -20,7 +20,9 @@ the digest and size of every other file, and the module index relative to the bu
 
 A pipeline bundle (`dsa_bundle(pipeline = ...)`, "Pipeline bundles" in docs/bundle-format.md) holds several
 linked models: each stage's files as above, named `<stage>.<file>`, the link (`link.json`) and the pipeline
-index (`pipeline.json`); bundle.json says `"kind": "pipeline"` and lists the stages.
+index (`pipeline.json`); bundle.json says `"kind": "pipeline"` and lists the stages. One writer serves both
+(`write_bundle`: a single-model bundle is one unlinked stage, its files at the root) and one reader
+(`extract_bundle`; `OpenedBundle.stages` gives either kind as its list of models).
 
 A reader refuses, with one message naming what failed: an archive whose sha256 differs from the
 `NAME.sha256` beside it, a truncated or padded archive, members that are not plain files with plain names,
@@ -310,68 +312,12 @@ def _write_archive(out: Path, payload: Dict[str, Path], generated: Dict[str, byt
     return sha
 
 
-def create_bundle(
-    out: Path,
-    *,
-    lock: Path,
-    manifest: Path,
-    runtime_view: Path,
-    target_spec: Path,
-    params: Path,
-    modules: Sequence[ModuleInput],
-    manifest_source: Optional[str] = None,
-    digest_out: Optional[Path] = None,
-) -> str:
-    """Writes the bundle archive `out` (and `digest_out`, default NAME.sha256 beside it); returns its sha256.
-
-    The result depends only on the contents of the inputs and on `manifest_source` (the manifest's
-    repository-relative name, recorded in bundle.json and the provenance), never on where the inputs are.
-    Refuses inputs that disagree with the lock (so a bundle's lock always describes its own files)."""
-    out = Path(out)
-    stage = _collect(lock=lock, manifest=manifest, runtime_view=runtime_view, target_spec=target_spec,
-                     params=params, modules=modules)
-    lock_data, payload, digests, sizes, index = stage.lock, stage.payload, stage.digests, stage.sizes, stage.index
-    manifest_source = manifest_source or Path(manifest).name
-    generated: Dict[str, bytes] = {
-        INDEX_JSON: ModuleIndex.from_json(index, INDEX_JSON).text().encode("utf-8"),
-        BUILD_REPORT_JSON: BuildReport.dumps(_build_report(lock_data, stage.records, stage.reports, sizes, digests)),
-    }
-    for name, data in generated.items():
-        digests[name], sizes[name] = hashlib.sha256(data).hexdigest(), len(data)
-    bundle_name = out.name[:-len(".tar")] if out.name.endswith(".tar") else out.name
-    provenance = _json_bytes(_provenance(lock_data, digests, manifest_source, bundle_name))
-    generated[PROVENANCE_JSON] = provenance
-    digests[PROVENANCE_JSON], sizes[PROVENANCE_JSON] = hashlib.sha256(provenance).hexdigest(), len(provenance)
-
-    meta = {
-        "format": BUNDLE_FORMAT,
-        "model_id": lock_data["model_id"],
-        "target": lock_data["target"],
-        "manifest": MANIFEST_YAML,
-        "manifest_source": manifest_source,
-        "lock": LOCK_JSON,
-        "build_report": BUILD_REPORT_JSON,
-        "provenance": PROVENANCE_JSON,
-        "index_file": INDEX_JSON,
-        "index": index,
-        "files": {name: {"sha256": digests[name], "size": sizes[name]} for name in sorted(digests)},
-    }
-    generated[BUNDLE_JSON] = BundleMeta.dumps(meta)
-    return _write_archive(out, payload, generated, sizes, digest_out)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Pipeline bundles: several models linked by dsa_pipeline (docs/bundle-format.md, "Pipeline bundles")
-
-LINK_JSON = "link.json"
-PIPELINE_JSON = "pipeline.json"
-
-
 @dataclasses.dataclass
 class StageInput:
-    """One stage of a pipeline bundle: create_bundle's inputs for one model, under the stage's name."""
+    """One model's files to bundle: its lock, manifest, views, parameters and compiled modules. A single-model
+    bundle is one unlinked stage; a pipeline bundle is several stages and their link."""
 
-    name: str  # the stage name link.json uses; the stage's members are `<name>.<member>`
+    name: str  # the stage name link.json uses; in a pipeline bundle the stage's members are `<name>.<member>`
     lock: Path
     manifest: Path
     runtime_view: Path
@@ -379,6 +325,14 @@ class StageInput:
     params: Path
     modules: Sequence[ModuleInput]
     manifest_source: Optional[str] = None
+
+    @property
+    def source(self) -> str:
+        return self.manifest_source or Path(self.manifest).name
+
+
+LINK_JSON = "link.json"
+PIPELINE_JSON = "pipeline.json"
 
 
 def _prefixed_index(index: dict, prefix: str) -> dict:
@@ -389,73 +343,14 @@ def _prefixed_index(index: dict, prefix: str) -> dict:
     return out
 
 
-def create_pipeline_bundle(out: Path, *, link: Path, stages: Sequence[StageInput],
-                           digest_out: Optional[Path] = None) -> str:
-    """Writes a pipeline bundle: every stage's files as create_bundle would bundle them, each member named
-    `<stage>.<member>`, plus the link (`link.json`) and the pipeline index (`pipeline.json`); returns its sha256.
-
-    Refuses stages that disagree with the link (names, order, export records): the bundle's link describes
-    the bundle's own modules."""
-    out = Path(out)
-    link_path = Path(link)
-    link_data = Link.read(link_path)
-    names = [s.name for s in stages]
-    linked = [s["name"] for s in link_data["stages"]]
-    if names != linked:
-        raise DsaError(str(link_path), f"links stages {linked}, but the bundle is given {names}",
-                       "bundle the stages of this link, in its order")
-    payload: Dict[str, Path] = {LINK_JSON: link_path}
-    generated: Dict[str, bytes] = {}
-    collected: List[Tuple[StageInput, _Stage, dict]] = []
-    for stage, linked_stage in zip(stages, link_data["stages"]):
-        if not _NAME.match(stage.name):
-            raise DsaError("dsa-bundle", f"stage name '{stage.name}' is not a plain file name")
-        c = _collect(lock=stage.lock, manifest=stage.manifest, runtime_view=stage.runtime_view,
-                     target_spec=stage.target_spec, params=stage.params, modules=stage.modules)
-        records = [c.digests[f"{m['record']}"] for m in c.index["modules"]]
-        if sorted(records) != sorted(linked_stage["export_records"]):
-            raise DsaError(str(link_path), f"stage {stage.name}: the link was checked against other export "
-                           "records than the bundle's", "rebuild the pipeline and the bundle from one build")
-        prefix = stage.name + "."
-        for name, path in c.payload.items():
-            payload[prefix + name] = path
-        index = _prefixed_index(c.index, prefix)
-        generated[prefix + INDEX_JSON] = ModuleIndex.from_json(index, prefix + INDEX_JSON).text().encode("utf-8")
-        collected.append((stage, c, index))
-
-    targets = sorted({c.lock["target"] for _, c, _ in collected})
-    if len(targets) != 1:
-        raise DsaError("dsa-bundle", f"the stages are compiled for different targets {targets}",
-                       "bundle one target's modules")
-    pipeline = {
-        "format": PIPELINE_INDEX_FORMAT,
-        "link": LINK_JSON,
-        "stages": [{"name": s.name, "index": s.name + "." + INDEX_JSON} for s, _, _ in collected],
-    }
-    generated[PIPELINE_JSON] = PipelineIndex.dumps(pipeline)
-    bundle_name = out.name[:-len(".tar")] if out.name.endswith(".tar") else out.name
-    generated[BUILD_REPORT_JSON] = BuildReport.dumps({
-        "format": BUILD_REPORT_FORMAT,
-        "model_id": bundle_name,
-        "target": targets[0],
-        "stages": [dict(_build_report(c.lock, c.records, c.reports, c.sizes, c.digests), stage=s.name)
-                   for s, c, _ in collected],
-    })
-    digests: Dict[str, str] = {}
-    sizes: Dict[str, int] = {}
-    for name, path in payload.items():
-        digests[name], sizes[name] = sha256_file(path), path.stat().st_size
-    for name, data in generated.items():
-        digests[name], sizes[name] = hashlib.sha256(data).hexdigest(), len(data)
-
-    # One statement for the pipeline: every member as a subject, every stage's inputs as dependencies (the
-    # shared tool sources and toolchain once).
+def _pipeline_provenance(collected, digests: Dict[str, str], bundle_name: str, target: str) -> dict:
+    """One statement for a pipeline: every member as a subject, every stage's inputs as dependencies (the
+    shared tool sources and toolchain once)."""
     statement = None
     deps: List[dict] = []
     seen = set()
     for s, c, _ in collected:
-        source = s.manifest_source or Path(s.manifest).name
-        one = _provenance(c.lock, digests, source, bundle_name)
+        one = _provenance(c.lock, digests, s.source, bundle_name)
         if statement is None:
             statement = one
         for dep in one["predicate"]["buildDefinition"]["resolvedDependencies"]:
@@ -472,9 +367,8 @@ def create_pipeline_bundle(out: Path, *, link: Path, stages: Sequence[StageInput
             deps.append(dep)
     definition = statement["predicate"]["buildDefinition"]
     definition["externalParameters"] = {
-        "model_id": bundle_name, "target": targets[0], "bundle": bundle_name,
-        "stages": [{"name": s.name, "model_id": c.lock["model_id"],
-                    "manifest": s.manifest_source or Path(s.manifest).name} for s, c, _ in collected],
+        "model_id": bundle_name, "target": target, "bundle": bundle_name,
+        "stages": [{"name": s.name, "model_id": c.lock["model_id"], "manifest": s.source} for s, c, _ in collected],
     }
     definition["internalParameters"] = {
         "target_flags": collected[0][1].lock["target_spec"].get("flags", []),
@@ -482,34 +376,119 @@ def create_pipeline_bundle(out: Path, *, link: Path, stages: Sequence[StageInput
                     for s, c, _ in collected for m in c.lock.get("modules", [])],
     }
     definition["resolvedDependencies"] = deps
+    return statement
+
+
+def write_bundle(out: Path, stages: Sequence[StageInput], *, link: Optional[Path] = None,
+                 digest_out: Optional[Path] = None) -> str:
+    """The bundle writer: writes the archive `out` (and `digest_out`, default NAME.sha256 beside it) and
+    returns its sha256.
+
+    Without `link` there is exactly one stage and its files lie at the archive root (a single-model bundle);
+    with `link` (a dsa_pipeline's link.json) each stage's files are named `<stage>.<member>` and the link and
+    the pipeline index are added (docs/bundle-format.md, "Pipeline bundles"). Either way every stage's files
+    are checked against its lock, and a linked stage's export records against the link, so the bundle's lock
+    and link describe its own files. The result depends only on the contents of the inputs and on each
+    stage's `manifest_source` (its repository-relative name), never on where the inputs are."""
+    out = Path(out)
+    bundle_name = out.name[:-len(".tar")] if out.name.endswith(".tar") else out.name
+    payload: Dict[str, Path] = {}
+    generated: Dict[str, bytes] = {}
+    linked = link is not None
+    if linked:
+        link_path = Path(link)
+        link_data = Link.read(link_path)
+        names = [s.name for s in stages]
+        in_link = [s["name"] for s in link_data["stages"]]
+        if names != in_link:
+            raise DsaError(str(link_path), f"links stages {in_link}, but the bundle is given {names}",
+                           "bundle the stages of this link, in its order")
+        payload[LINK_JSON] = link_path
+    elif len(stages) != 1:
+        raise DsaError("dsa-bundle", f"{len(stages)} models to bundle without a link",
+                       "bundle one model (dsa_bundle(module = ...)), or several linked by a dsa_pipeline "
+                       "(dsa_bundle(pipeline = ...))")
+
+    collected: List[Tuple[StageInput, _Stage, dict]] = []
+    for n, stage in enumerate(stages):
+        if linked and not _NAME.match(stage.name):
+            raise DsaError("dsa-bundle", f"stage name '{stage.name}' is not a plain file name")
+        c = _collect(lock=stage.lock, manifest=stage.manifest, runtime_view=stage.runtime_view,
+                     target_spec=stage.target_spec, params=stage.params, modules=stage.modules)
+        prefix = stage.name + "." if linked else ""
+        if linked:
+            records = [c.digests[m["record"]] for m in c.index["modules"]]
+            if sorted(records) != sorted(link_data["stages"][n]["export_records"]):
+                raise DsaError(str(link_path), f"stage {stage.name}: the link was checked against other export "
+                               "records than the bundle's", "rebuild the pipeline and the bundle from one build")
+        for name, path in c.payload.items():
+            payload[prefix + name] = path
+        index = _prefixed_index(c.index, prefix)
+        generated[prefix + INDEX_JSON] = ModuleIndex.from_json(index, prefix + INDEX_JSON).text().encode("utf-8")
+        collected.append((stage, c, index))
+
+    targets = sorted({c.lock["target"] for _, c, _ in collected})
+    if len(targets) != 1:
+        raise DsaError("dsa-bundle", f"the stages are compiled for different targets {targets}",
+                       "bundle one target's modules")
+    reports = [_build_report(c.lock, c.records, c.reports, c.sizes, c.digests) for _, c, _ in collected]
+    if linked:
+        pipeline = {
+            "format": PIPELINE_INDEX_FORMAT,
+            "link": LINK_JSON,
+            "stages": [{"name": s.name, "index": s.name + "." + INDEX_JSON} for s, _, _ in collected],
+        }
+        generated[PIPELINE_JSON] = PipelineIndex.dumps(pipeline)
+        generated[BUILD_REPORT_JSON] = BuildReport.dumps({
+            "format": BUILD_REPORT_FORMAT, "model_id": bundle_name, "target": targets[0],
+            "stages": [dict(report, stage=s.name) for (s, _, _), report in zip(collected, reports)],
+        })
+    else:
+        generated[BUILD_REPORT_JSON] = BuildReport.dumps(reports[0])
+
+    digests: Dict[str, str] = {}
+    sizes: Dict[str, int] = {}
+    for name, path in payload.items():
+        digests[name], sizes[name] = sha256_file(path), path.stat().st_size
+    for name, data in generated.items():
+        digests[name], sizes[name] = hashlib.sha256(data).hexdigest(), len(data)
+    if linked:
+        statement = _pipeline_provenance(collected, digests, bundle_name, targets[0])
+    else:
+        statement = _provenance(collected[0][1].lock, digests, collected[0][0].source, bundle_name)
     provenance = _json_bytes(statement)
     generated[PROVENANCE_JSON] = provenance
     digests[PROVENANCE_JSON], sizes[PROVENANCE_JSON] = hashlib.sha256(provenance).hexdigest(), len(provenance)
 
-    meta = {
-        "format": BUNDLE_FORMAT,
-        "kind": "pipeline",
-        "model_id": bundle_name,
-        "target": targets[0],
-        "build_report": BUILD_REPORT_JSON,
-        "provenance": PROVENANCE_JSON,
-        "link": LINK_JSON,
-        "pipeline_file": PIPELINE_JSON,
-        "pipeline": pipeline,
-        "stages": [
-            {"name": s.name, "model_id": c.lock["model_id"], "manifest": f"{s.name}.{MANIFEST_YAML}",
-             "manifest_source": s.manifest_source or Path(s.manifest).name, "lock": f"{s.name}.{LOCK_JSON}",
-             "index_file": f"{s.name}.{INDEX_JSON}", "index": index}
-            for s, c, index in collected
-        ],
-        "files": {name: {"sha256": digests[name], "size": sizes[name]} for name in sorted(digests)},
-    }
+    def stage_meta(s: StageInput, c: _Stage, index: dict) -> dict:
+        prefix = s.name + "." if linked else ""
+        return {"model_id": c.lock["model_id"], "manifest": prefix + MANIFEST_YAML, "manifest_source": s.source,
+                "lock": prefix + LOCK_JSON, "index_file": prefix + INDEX_JSON, "index": index}
+
+    common = {"format": BUNDLE_FORMAT, "target": targets[0], "build_report": BUILD_REPORT_JSON,
+              "provenance": PROVENANCE_JSON}
+    if linked:
+        meta = dict(common, kind="pipeline", model_id=bundle_name, link=LINK_JSON, pipeline_file=PIPELINE_JSON,
+                    pipeline=pipeline, stages=[dict(stage_meta(*entry), name=entry[0].name) for entry in collected])
+    else:
+        meta = dict(common, **stage_meta(*collected[0]))
+    meta["files"] = {name: {"sha256": digests[name], "size": sizes[name]} for name in sorted(digests)}
     generated[BUNDLE_JSON] = BundleMeta.dumps(meta)
     return _write_archive(out, payload, generated, sizes, digest_out)
 
 
+def create_bundle(out: Path, *, lock: Path, manifest: Path, runtime_view: Path, target_spec: Path, params: Path,
+                  modules: Sequence[ModuleInput], manifest_source: Optional[str] = None,
+                  digest_out: Optional[Path] = None) -> str:
+    """A single-model bundle: write_bundle of one unlinked stage."""
+    stage = StageInput(name="", lock=Path(lock), manifest=Path(manifest), runtime_view=Path(runtime_view),
+                       target_spec=Path(target_spec), params=Path(params), modules=modules,
+                       manifest_source=manifest_source)
+    return write_bundle(out, [stage], digest_out=digest_out)
+
+
 def pipeline_inputs(pipeline_index: Path, manifests: Dict[str, Tuple[Path, Optional[str]]]) -> dict:
-    """create_pipeline_bundle's arguments from a pipeline index (dsa_pipeline's NAME.pipeline.json) and each
+    """write_bundle's arguments from a pipeline index (dsa_pipeline's NAME.pipeline.json) and each
     stage's manifest (stage name → (path, repository-relative name))."""
     pipeline_index = Path(pipeline_index)
     if not pipeline_index.is_file():
@@ -558,6 +537,28 @@ def inputs_from_index(index: Path, *, lock: Optional[Path] = None, target_spec: 
 # Reading
 
 
+@dataclasses.dataclass(frozen=True)
+class BundleStage:
+    """One model of a verified bundle: a single-model bundle has one (at the root, `name` None), a pipeline
+    bundle one per stage, in run order (`<name>.<member>` files)."""
+
+    name: Optional[str]
+    model_id: str
+    manifest_source: str
+    manifest_path: Path
+    lock_path: Path
+    index_path: Path
+
+    @property
+    def lock(self) -> dict:
+        return Lock.read(self.lock_path)
+
+
+def _stage_tables(meta: dict) -> List[dict]:
+    """bundle.json's table of each model: its stages, or for a single-model bundle bundle.json itself."""
+    return meta["stages"] if _is_pipeline(meta) else [meta]
+
+
 @dataclasses.dataclass
 class OpenedBundle:
     """A verified bundle, extracted into `root`."""
@@ -572,17 +573,24 @@ class OpenedBundle:
     def is_pipeline(self) -> bool:
         return _is_pipeline(self.meta)
 
-    def _single(self, what: str) -> None:
+    @property
+    def stages(self) -> List[BundleStage]:
+        return [BundleStage(name=t.get("name") if self.is_pipeline else None, model_id=t["model_id"],
+                            manifest_source=t["manifest_source"], manifest_path=self.root / t["manifest"],
+                            lock_path=self.root / t["lock"], index_path=self.root / t["index_file"])
+                for t in _stage_tables(self.meta)]
+
+    def _single(self, what: str) -> BundleStage:
         if self.is_pipeline:
             stages = ", ".join(s["name"] for s in self.meta["stages"])
             raise DsaError(str(self.archive), f"is a pipeline bundle (stages {stages}): it has one {what} per stage",
                            "run it with `bin/dsa link run --bundle`; its stages' files are "
                            "<stage>.<file> (docs/bundle-format.md)")
+        return self.stages[0]
 
     @property
     def index_path(self) -> Path:
-        self._single("module index")
-        return self.root / self.meta["index_file"]
+        return self._single("module index").index_path
 
     @property
     def pipeline_path(self) -> Path:
@@ -593,17 +601,21 @@ class OpenedBundle:
 
     @property
     def manifest_path(self) -> Path:
-        self._single("manifest")
-        return self.root / self.meta["manifest"]
+        return self._single("manifest").manifest_path
 
     @property
     def lock(self) -> dict:
-        self._single("recipe lock")
-        return Lock.read(self.root / self.meta["lock"])
+        return self._single("recipe lock").lock
 
     @property
     def build_report(self) -> dict:
         return BuildReport.read(self.root / self.meta["build_report"])
+
+    @property
+    def stage_reports(self) -> List[dict]:
+        """Each model's build report (with its `stage` name in a pipeline bundle), in run order."""
+        report = self.build_report
+        return report["stages"] if self.is_pipeline else [report]
 
     @property
     def provenance(self) -> dict:
@@ -611,13 +623,10 @@ class OpenedBundle:
 
     def describe(self) -> str:
         checked = f"matches {self.sidecar.name}" if self.sidecar else "no .sha256 beside it"
-        if self.is_pipeline:
-            stages = " → ".join(s["model_id"] for s in self.meta["stages"])
-            return (f"bundle {self.archive.name}: format {self.meta['format']}, pipeline {stages} for "
-                    f"{self.meta['target']}, sha256 {self.sha256} ({checked}), {len(self.meta['files'])} files "
-                    "verified")
-        return (f"bundle {self.archive.name}: format {self.meta['format']}, {self.meta['model_id']} for "
-                f"{self.meta['target']}, sha256 {self.sha256} ({checked}), {len(self.meta['files'])} files verified")
+        what = (f"pipeline {' → '.join(s.model_id for s in self.stages)}" if self.is_pipeline
+                else self.meta["model_id"])
+        return (f"bundle {self.archive.name}: format {self.meta['format']}, {what} for {self.meta['target']}, "
+                f"sha256 {self.sha256} ({checked}), {len(self.meta['files'])} files verified")
 
 
 def _is_pipeline(meta: dict) -> bool:
@@ -772,11 +781,12 @@ def extract_bundle(archive: Path, dest: Path) -> OpenedBundle:
             raise DsaError(f"{archive}: {BUNDLE_JSON}", "is malformed: a pipeline bundle lists its 'stages'",
                            "the archive is corrupted or was not made by dsa_bundle")
         checks = [(meta, ("build_report", "provenance", "link", "pipeline_file"))]
-        checks += [(stage, ("manifest", "lock", "index_file")) for stage in stages]
-        indexes = [(meta, "pipeline_file", "pipeline")] + [(stage, "index_file", "index") for stage in stages]
+        indexes = [(meta, "pipeline_file", "pipeline")]
     else:
-        checks = [(meta, ("manifest", "lock", "build_report", "provenance", "index_file"))]
-        indexes = [(meta, "index_file", "index")]
+        checks = [(meta, ("build_report", "provenance"))]
+        indexes = []
+    checks += [(table, ("manifest", "lock", "index_file")) for table in _stage_tables(meta)]
+    indexes += [(table, "index_file", "index") for table in _stage_tables(meta)]
     for table, keys in checks:
         for key in keys:
             if not isinstance(table.get(key), str) or table[key] not in listed:
@@ -900,7 +910,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             if not sep or not path:
                 raise DsaError("--stage-manifest", f"'{value}' is not STAGE=MANIFEST[,NAME]")
             manifests[stage] = (Path(path), source or _source_name(Path(path)))
-        sha = create_pipeline_bundle(Path(a.out), digest_out=Path(a.digest) if a.digest else None,
+        sha = write_bundle(Path(a.out), digest_out=Path(a.digest) if a.digest else None,
                                      **pipeline_inputs(Path(a.pipeline), manifests))
         return
     if a.command == "create":
@@ -934,17 +944,15 @@ def main(argv: Optional[List[str]] = None) -> None:
             for name, entry in sorted(b.meta["files"].items()):
                 print(f"  {entry['sha256']}  {entry['size']:>12d}  {name}")
         else:
-            report = b.build_report
-            for m in [dict(m, name=f"{st['stage']}.{m['name']}") for st in report["stages"] for m in st["modules"]] \
-                    if b.is_pipeline else report["modules"]:
-                bucket = f"{m['bucket']['dim']}={m['bucket']['size']}" if m.get("bucket") else "dynamic"
-                print(f"  {m['name']}: {bucket}, {m['export']['op_count']} exported ops, "
-                      f"{m['compile']['dispatch_count']} dispatches, {_format_size(m['sizes']['vmfb_bytes'])}")
-            params = sum(st["parameters"]["bytes"] for st in report["stages"]) if b.is_pipeline else \
-                report["parameters"]["bytes"]
+            for stage, report in zip(b.stages, b.stage_reports):
+                prefix = f"{stage.name}." if stage.name else ""
+                for m in report["modules"]:
+                    bucket = f"{m['bucket']['dim']}={m['bucket']['size']}" if m.get("bucket") else "dynamic"
+                    print(f"  {prefix}{m['name']}: {bucket}, {m['export']['op_count']} exported ops, "
+                          f"{m['compile']['dispatch_count']} dispatches, {_format_size(m['sizes']['vmfb_bytes'])}")
+            params = sum(report["parameters"]["bytes"] for report in b.stage_reports)
             label = f"{PARAMS_IRPA} (all stages)" if b.is_pipeline else PARAMS_IRPA
             print(f"  {label}: {_format_size(params)}; archive {_format_size(b.archive.stat().st_size)}")
-
 
 if __name__ == "__main__":
     run_cli(main, "dsa bundle")

@@ -294,3 +294,30 @@ def test_release_refuses_a_corrupted_bundle(built_copy, tmp_path):
     proc = cli("dsa.runtime.bundle", "release", built_copy, tmp_path / "dist")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "sha256" in proc.stderr
     assert not (tmp_path / "dist").exists()
+
+
+# -- one writer, one reader -------------------------------------------------------------------------------
+
+def test_a_single_model_bundle_is_write_bundle_of_one_unlinked_stage(tmp_path, built):
+    """create_bundle is write_bundle of one stage without a link: the same bytes, members at the root."""
+    inputs = built_inputs()
+    stage = B.StageInput(name="pi0", manifest_source=inputs.pop("manifest_source", "manifests/pi0.yaml"), **inputs)
+    out = tmp_path / "pi0_bundle.tar"
+    B.write_bundle(out, [stage])
+    assert out.read_bytes() == built.read_bytes()
+
+
+def test_several_models_without_a_link_are_refused(tmp_path):
+    inputs = built_inputs()
+    stages = [B.StageInput(name=n, **inputs) for n in ("a", "b")]
+    with pytest.raises(DsaError, match="2 models to bundle without a link"):
+        B.write_bundle(tmp_path / "out.tar", stages)
+    assert not (tmp_path / "out.tar").exists()
+
+
+def test_the_reader_gives_a_single_model_bundle_as_one_stage(opened):
+    (stage,) = opened.stages
+    assert stage.name is None and stage.model_id == "pi0"
+    assert stage.manifest_path == opened.manifest_path == opened.root / "manifest.yaml"
+    assert stage.index_path == opened.index_path and stage.lock == opened.lock
+    assert opened.stage_reports == [opened.build_report]
