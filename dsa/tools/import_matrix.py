@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from dsa.core.errors import DsaError, run_cli
+from dsa.core.formats import CompileReport, ExportRecord, PipelineIndex
 
 DATA_FORMAT = 1
 BEGIN_MARKER = "<!-- import-matrix:begin -->"
@@ -161,7 +162,7 @@ def module_units(spec: ModelSpec, bin_dir: Path) -> List[str]:
         return [spec.name]
     pipeline = bin_dir / "models" / f"{spec.name}.pipeline.json"
     if pipeline.is_file():
-        return [stage["name"] for stage in json.loads(pipeline.read_text())["stages"]]
+        return [stage["name"] for stage in PipelineIndex.read(pipeline)["stages"]]
     return list(spec.stages)
 
 
@@ -192,7 +193,7 @@ def read_unit(bin_dir: Path, name: str) -> Unit:
         # As CompiledPolicy orders its modules: smallest bucket first.
         if not m["record"].is_file():
             return 0
-        bucket = json.loads(m["record"].read_text()).get("bucket")
+        bucket = ExportRecord.read(m["record"]).get("bucket")
         return bucket["size"] if bucket else 0
 
     modules.sort(key=bucket_size)
@@ -213,7 +214,7 @@ def collect_files(spec: ModelSpec, unit: Unit, test: dict) -> dict:
         record = unit.base / f"{unit.name}_model" / "export_record.json"
         row["export"] = record.is_file() and _mlir_of(record).is_file()
         if row["export"]:
-            row["parameter_count"] = json.loads(record.read_text()).get("parameter_count")
+            row["parameter_count"] = ExportRecord.read(record).get("parameter_count")
             row["mlir_bytes"] = _size(_mlir_of(record))
         row["notes"].append(f"{unit.name}.modules.json not found: not built")
         return row
@@ -227,7 +228,7 @@ def collect_files(spec: ModelSpec, unit: Unit, test: dict) -> dict:
     row["irpa_bytes"] = _size(unit.base / unit.index["parameter_archive"])
     row["target"] = unit.index.get("target")
     if records and records[0].is_file():
-        row["parameter_count"] = json.loads(records[0].read_text()).get("parameter_count")
+        row["parameter_count"] = ExportRecord.read(records[0]).get("parameter_count")
     return row
 
 
@@ -278,7 +279,7 @@ def measure_compile(module: dict, work: Path, where: str) -> dict:
     from dsa.stages.compile import first_error_line, iree_compile_path  # the build's own compiler binary and error digest
     from dsa.core.fileio import sha256_file
 
-    report = json.loads(module["report"].read_text())
+    report = CompileReport.read(module["report"])
     mlir_sha = sha256_file(module["mlir"])
     if report.get("mlir_sha256") not in (None, mlir_sha):
         raise DsaError(where, f"{module['mlir'].name} is not the MLIR its compile report names "
@@ -360,7 +361,7 @@ def parse_benchmark(stdout: str) -> List[float]:
 def measure_latency(unit: Unit, module: dict, work: Path, *, runs: int, threads: int, where: str) -> dict:
     from dsa.tools.profiler import benchmark_input_flags
 
-    record = json.loads(module["record"].read_text())
+    record = ExportRecord.read(module["record"])
     runtime_view = json.loads((unit.base / unit.index["runtime_view"]).read_text())
     target_spec = json.loads((unit.base / unit.index["target_spec"]).read_text())
     values, described = sample_values(record, runtime_view.get("flow_steps"))
