@@ -57,7 +57,7 @@ _VIEW_FIELDS: Dict[str, Tuple[str, ...]] = {
         "quant_scheme",
     ),
     "params": ("model_id", "checkpoint", "quant_scheme"),
-    "compile": ("model_id", "quant_scheme", "targets"),
+    "compile": ("model_id", "quant_scheme", "targets", "tuning"),
     "bucket": ("buckets",),
     "runtime": (
         "model_id", "chunk_size", "n_action_steps", "flow_steps", "buckets", "power_profile", "normalization",
@@ -570,6 +570,8 @@ def project(
                 hint="add it to targets, or compile for a listed one",
             )
         result = {"model_id": m["model_id"], "quant_scheme": m["quant_scheme"], "target": target}
+        if "tuning" in m:  # only when set, so that manifests without it keep their compile views' bytes
+            result["tuning"] = m["tuning"]
     elif view == "bucket":
         dim, slot = bucket
         if dim not in m["buckets"]:

@@ -183,11 +183,16 @@ class CompiledPolicy:
         return args
 
     def run(self, inputs: Dict[str, np.ndarray]) -> Tuple[List[np.ndarray], Module]:
-        module, _ = self.select(inputs)
+        module, sizes = self.select(inputs)
         args = self.prepare(module, inputs)
         result = self._invoker(module)(*args)
-        results = result if isinstance(result, (list, tuple)) else [result]
-        return [np.asarray(r.to_host()) for r in results], module
+        results = [np.asarray(r.to_host()) for r in (result if isinstance(result, (list, tuple)) else [result])]
+        # Outputs along a padded bucket dim (a batch bucket) are cut back to the inputs' size.
+        for i, spec in enumerate(module.record["outputs"]):
+            for axis, dim in spec.get("dims", {}).items():
+                if dim in sizes and results[i].shape[int(axis)] > sizes[dim]:
+                    results[i] = results[i].take(range(sizes[dim]), axis=int(axis))
+        return results, module
 
     def timed_run(self, inputs: Dict[str, np.ndarray], repeats: int = 10):
         """Runs once to warm up, then `repeats` times; returns (outputs, module, latencies in ms)."""

@@ -89,6 +89,22 @@ def manifest_flags(view: dict) -> List[str]:
     return []
 
 
+def check_tuning_family(view: dict, tuning: Optional[dict], where: str) -> None:
+    """The manifest's `tuning` (a family name, in the compile view) and the tuning file must agree: a manifest
+    that names a family is compiled with that family's file for the target, never with another or none."""
+    family = view.get("tuning")
+    if family is None:
+        return
+    target = view.get("target")
+    wanted = f"toolchains/tuning/{family}.{target}.json"
+    if tuning is None:
+        raise DsaError(where, f"the manifest's tuning is '{family}', but no tuning file is given",
+                       f"compile with {wanted} (a dsa_vmfb/dsa_policy `tuning`; `dsa compile` finds it itself)")
+    if tuning.get("family") != family:
+        raise DsaError(where, f"the manifest's tuning is '{family}', but the tuning file given is of family "
+                       f"'{tuning.get('family')}'", f"compile with {wanted}, or change the manifest's tuning")
+
+
 def compile_flags(view: dict, target: dict, where: str, tuning: Optional[dict] = None) -> List[str]:
     if view.get("target") != target["name"]:
         raise DsaError(
@@ -195,7 +211,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     if a.tuning:
         tuning = read_json(a.tuning)
         where = f"{where} with {a.tuning}"
-    compile_module(Path(a.mlir), read_json(a.view), read_json(a.target), Path(a.out), Path(a.report),
+    view = read_json(a.view)
+    # What ships (a dsa_vmfb) is compiled with the tuning its manifest names; experiments (the benchmark's
+    # untuned variants) call compile_module directly.
+    check_tuning_family(view, tuning, where)
+    compile_module(Path(a.mlir), view, read_json(a.target), Path(a.out), Path(a.report),
                    where=where, tuning=tuning)
 
 

@@ -412,6 +412,13 @@ def export_model(
         record["quantization"] = {"scheme": view["quant_scheme"], "tensors": quantized}
     if bucket is not None:
         record["bucket"] = {"dim": bucket["dim"], "size": bucket["size"], "slot": bucket["slot"]}
+        if reference_record is not None:
+            # Output axes that carry the bucketed dim (a batch bucket): the runner pads the inputs up to the
+            # bucket and cuts these axes back to the caller's size.
+            for entry_output, ref in zip(outputs, reference_record["outputs"]):
+                dims = {str(axis): dim for axis, dim in enumerate(ref["shape"]) if dim == bucket["dim"]}
+                if dims:
+                    entry_output["dims"] = dims
         record["dynamic_dims"] = {
             n: {"min": minimums.get(n, 1), "max": DYNAMIC_DIM_MAX} for n in names if n not in static
         }

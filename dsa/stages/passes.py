@@ -317,6 +317,74 @@ def patchify_conv_to_matmul(g: _Graph) -> int:
     return count
 
 
+# -- 3b. stem_conv_to_matmul -----------------------------------------------------------------------------
+
+# A convolution reads at most this many input channels to count as an image stem (RGB, RGB-D, ...).
+STEM_MAX_CHANNELS = 4
+
+
+def stem_conv_to_matmul(g: _Graph) -> int:
+    """2-D k×k convolution over an image's few channels (C ≤ STEM_MAX_CHANNELS, groups 1, not transposed,
+    kernel larger than 1×1) ⇒ im2col (unfold: [B, C*kh*kw, H'*W'] columns, the convolution's own stride,
+    padding and dilation; written as pad + gather, torch's decomposition of `aten.im2col`) and one matmul with `weight.reshape(Cout, C*kh*kw)`, plus bias, reshaped
+    to [B, Cout, H', W']. Runs after patchify_conv_to_matmul, which takes the kernel == stride patches.
+    Static shapes only (a batch bucket): the gather's shape would specialise a dynamic batch.
+
+    Why: with 3 input channels the convolution is too thin for IREE's convolution tiling on llvm-cpu (data
+    tiling packs the 3 channels to a full vector tile; im2col preprocessing materialises the columns in a
+    separate slow dispatch). ResNet-18's 7×7/2 stem on a 480×640 camera (LeRobot ACT, Diffusion Policy) was
+    the top dispatch of the whole policy. Measured (llvm-cpu x86-64-v4, O3, data tiling incl. convolutions,
+    ukernels, local-task 2 threads), the stem alone: 46.4 → 20.7 ms; (x86-64-v4 with im2col for convs:
+    23.4 → 13.0 ms). Deeper convolutions (64+ channels) stay convolutions: IREE tiles them well."""
+    count = 0
+    for node in list(g.graph.nodes):
+        if not _is_plain_conv(node) or _val(node.args[1]).dim() != 4:
+            continue
+        a = _arguments(node)
+        x, weight, bias = a["input"], a["weight"], a["bias"]
+        xv, wv = _val(x), _val(weight)
+        if xv.dim() != 4 or a["groups"] != 1:
+            continue
+        cout, cin, kh, kw = (_static(d) for d in wv.shape)
+        b_, h, w = _static(xv.shape[0]), _static(xv.shape[2]), _static(xv.shape[3])
+        if None in (cout, cin, kh, kw, b_, h, w) or cin > STEM_MAX_CHANNELS or (kh, kw) == (1, 1):
+            continue
+        padding = a["padding"]
+        if isinstance(padding, str):
+            continue
+        pair = lambda v: [int(i) for i in v] * (2 // len(v))  # noqa: E731
+        stride, padding, dilation = pair(a["stride"]), pair(padding), pair(a["dilation"])
+        ho = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+        wo = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+        if ho <= 0 or wo <= 0:
+            continue
+        with g.graph.inserting_before(node):
+            e = lambda target, *args: g.emit(target, args, node)  # noqa: E731
+            # im2col as torch's own decomposition of aten.im2col writes it (IREE's importer has no im2col):
+            # pad, gather the [kh, H', 1, 1] × [kw, W'] windows, [B, C, kh, kw, H', W'] → [B, C*kh*kw, H'*W'].
+            if any(padding):
+                x = e(aten.constant_pad_nd.default, x, [padding[1], padding[1], padding[0], padding[0]], 0.0)
+
+            def windows(k: int, out: int, axis: int) -> fx.Node:
+                starts = e(aten.unsqueeze.default, e(aten.arange.start_step, 0, out * stride[axis], stride[axis]), 0)
+                taps = e(aten.unsqueeze.default, e(aten.arange.start_step, 0, k * dilation[axis], dilation[axis]), -1)
+                return e(aten.add.Tensor, starts, taps)  # [k, out]: row (or column) of each window tap
+
+            rows = e(aten.unsqueeze.default, e(aten.unsqueeze.default, windows(kh, ho, 0), -1), -1)
+            gathered = e(aten.index.Tensor, x, [None, None, rows, windows(kw, wo, 1)])  # [B, C, kh, H', kw, W']
+            cols = e(aten.reshape.default, e(aten.permute.default, gathered, [0, 1, 2, 4, 3, 5]),
+                     [b_, cin * kh * kw, ho * wo])
+            out = e(aten.matmul.default, e(aten.reshape.default, weight, [cout, cin * kh * kw]), cols)
+            if bias is not None:
+                out = e(aten.add.Tensor, out, e(aten.reshape.default, bias, [cout, 1]))
+            out = e(aten.reshape.default, out, [-1, cout, ho, wo])
+        node.replace_all_uses_with(out)
+        _drop_asserts([node], g.graph)
+        g.graph.erase_node(node)
+        count += 1
+    return count
+
+
 # -- 4. attention_to_sdpa ------------------------------------------------------------------------------
 
 _MATMULS = (aten.matmul.default, aten.bmm.default)
@@ -568,8 +636,8 @@ class Pass:
 
 PASSES: Dict[str, Pass] = {
     p.__name__: Pass(p.__name__, p)
-    for p in (bool_and_to_logical_and, fold_batchnorm, patchify_conv_to_matmul, attention_to_sdpa,
-              decompose_attention)
+    for p in (bool_and_to_logical_and, fold_batchnorm, patchify_conv_to_matmul, stem_conv_to_matmul,
+              attention_to_sdpa, decompose_attention)
 }
 
 # The defaults are chosen for the llvm-cpu targets this release ships (toolchains/targets): there IREE
@@ -577,7 +645,8 @@ PASSES: Dict[str, Pass] = {
 # (decompose_attention) and attention_to_sdpa, its inverse, is opt-in (for a backend whose fused attention
 # is fast). The others measured faster or equal. Numbers: docs/performance.md, bench/RESULTS.md.
 DEFAULT_PASSES: Tuple[str, ...] = (
-    "bool_and_to_logical_and", "fold_batchnorm", "patchify_conv_to_matmul", "decompose_attention",
+    "bool_and_to_logical_and", "fold_batchnorm", "patchify_conv_to_matmul", "stem_conv_to_matmul",
+    "decompose_attention",
 )
 
 
@@ -609,15 +678,22 @@ def apply_passes(exported: "torch.export.ExportedProgram", names: Sequence[str])
     if not any(counts.values()):
         return exported, counts
 
-    # A rewritten output node has a new name: the signature names outputs by node.
+    # A rewritten output node has a new name, and a recompiled graph renames a placeholder that shadows a
+    # Python builtin (`input` → `input_1`): the signature names inputs and outputs by node.
     signature = exported.graph_signature
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    input_specs = []
+    for spec, node in zip(signature.input_specs, placeholders):
+        if isinstance(spec.arg, TensorArgument) and spec.arg.name != node.name:
+            spec = dataclasses.replace(spec, arg=TensorArgument(name=node.name))
+        input_specs.append(spec)
     outputs = next(n for n in graph_module.graph.nodes if n.op == "output").args[0]
     output_specs = []
     for spec, out in zip(signature.output_specs, outputs):
         if isinstance(spec.arg, TensorArgument) and isinstance(out, fx.Node) and out.name != spec.arg.name:
             spec = dataclasses.replace(spec, arg=TensorArgument(name=out.name))
         output_specs.append(spec)
-    signature = dataclasses.replace(signature, output_specs=output_specs)
+    signature = dataclasses.replace(signature, input_specs=input_specs, output_specs=output_specs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         return exported._update(graph_module, signature), counts

@@ -26,6 +26,7 @@ import dataclasses
 import os
 import platform
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -478,6 +479,167 @@ def _profile(subject: Subject, built: Built, target: dict, root: Path, *, case: 
         return {"error": _error(e)}
 
 
+# -- LeRobot policies: the shipped modules against eager LeRobot, in the LeRobot environment -------------
+POLICIES_INDEX = "models/policies_index.json"
+# The benchmark waits (up to QUIET_WAIT_S) for the 1-minute load average to fall below this before each
+# policy, and reports the load beside every number: eager PyTorch slows down far more than IREE when the
+# cores are shared, so a loaded measurement flatters the vmfb.
+QUIET_LOAD = 1.5
+QUIET_WAIT_S = 60
+
+
+@dataclasses.dataclass
+class Policy:
+    """One LeRobot policy the repository builds: its module index and its LeRobot policy directory."""
+
+    name: str
+    index: Path
+    policy_dir: Path
+
+
+def lerobot_policies(root: Path) -> List[Policy]:
+    """The LeRobot policies of the policies index (models/BUILD.bazel's dsa_policies), in its order."""
+    path = root / POLICIES_INDEX
+    if not path.is_file():
+        raise DsaError(str(path), "no policies index", "run the benchmark with `bazel run //bench`, which builds it")
+    rows = read_json(path)["policies"]
+    return [Policy(r["name"], root / r["index"], (root / r["policy_config"]).parent)
+            for r in rows if r.get("policy_config")]
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def wait_for_quiet(limit: float = QUIET_LOAD, wait_s: float = QUIET_WAIT_S) -> dict:
+    """Waits until the 1-minute load average is below `limit` (at most `wait_s`); returns what it saw."""
+    start = time.monotonic()
+    load = load_average()
+    while load >= limit and time.monotonic() - start < wait_s:
+        time.sleep(5)
+        load = load_average()
+    return {"load": round(load, 2), "waited_s": round(time.monotonic() - start, 1), "quiet": load < limit}
+
+
+class _EagerLeRobot:
+    """LeRobot's own eager inference on one policy (what a robot runs without rules_dsa), as a torch module
+    of positional tensors, so ONNX Runtime and torch.compile get exactly the same computation."""
+
+    def __new__(cls, policy, names: List[str], steps: Optional[int]):
+        import torch
+
+        from dsa.frontends.lerobot import POLICY_TYPES
+
+        reference = POLICY_TYPES[policy.config.type].reference
+
+        class EagerLeRobot(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.policy = policy
+
+            def forward(self, *tensors):
+                return reference(self.policy, dict(zip(names, tensors)), steps)
+
+        return EagerLeRobot().eval()
+
+
+def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: Path, with_ort: bool = True,
+                 with_compile: bool = True) -> dict:
+    """The policy's shipped module (its smallest bucket, batch 1, the runtime's default step count) against
+    eager LeRobot, ONNX Runtime and torch.compile on the same inputs, in alternating rounds."""
+    import torch
+
+    from dsa.frontends.lerobot import load_pretrained
+    from dsa.runtime.policy import CompiledPolicy, sample_inputs
+
+    torch.set_num_threads(threads)
+    compiled = CompiledPolicy(policy.index)
+    module = compiled.modules[0]
+    record = module.record
+    inputs = sample_inputs(record, {"batch": 1}, np.random.default_rng(0))
+    names = [spec["name"] for spec in record["inputs"]]
+    steps = None
+    if "steps" in names:
+        steps = int(compiled.runtime_view.get("flow_steps") or 10)
+        inputs["steps"] = np.array(steps, dtype=np.int64)
+    observation = [n for n in names if n != "steps"]
+    eager = _EagerLeRobot(load_pretrained(policy.policy_dir), observation, steps)
+    args = [torch.from_numpy(np.asarray(inputs[n])) for n in observation]
+    with torch.no_grad():
+        ref = eager(*args).numpy().astype(np.float64)
+    case = ", ".join(["batch=1"] + ([f"steps={steps}"] if steps is not None else []))
+    errors: Dict[str, str] = {}
+    fns: Dict[str, Callable[[], object]] = {"eager": lambda: eager(*args),
+                                            "vmfb": lambda: compiled.run(inputs)}
+    checks = {"eager": parity(ref, ref), "vmfb": parity(compiled.run(inputs)[0][0], ref)}
+    if with_ort:
+        try:
+            session, feeds = ort_session(eager, args, observation, work / f"{policy.name}.onnx", threads)
+            feed = {f: np.asarray(inputs[n]) for f, n in zip(feeds, observation)}
+            checks["onnxruntime"] = parity(session.run(None, feed)[0], ref)
+            fns["onnxruntime"] = lambda: session.run(None, feed)
+        except Exception as e:  # reported, not fatal: not every policy exports to ONNX
+            errors["onnxruntime"] = _error(e)
+    compile_s = None
+    if with_compile:
+        try:
+            fast = torch.compile(eager)
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = fast(*args).numpy()
+            compile_s = round(time.perf_counter() - start, 2)
+            checks["torch.compile"] = parity(out, ref)
+            fns["torch.compile"] = lambda: fast(*args)
+        except Exception as e:
+            errors["torch.compile"] = _error(e)
+    quiet = wait_for_quiet()
+    with torch.no_grad():
+        timings = measure_interleaved(fns, warmup=warmup, runs=runs)
+    runtimes = {name: dict(timing, parity=checks[name]) for name, timing in timings.items()}
+    vmfb = runtimes["vmfb"]["median_ms"]
+    goal = {"vs_eager": round(vmfb / runtimes["eager"]["median_ms"], 3)}
+    goal["met"] = goal["vs_eager"] <= GOAL_EAGER_RATIO
+    if "onnxruntime" in runtimes:
+        goal["vs_onnxruntime"] = round(vmfb / runtimes["onnxruntime"]["median_ms"], 3)
+    bucket = module.bucket
+    return {
+        "model": policy.name,
+        "target": compiled.index["target"],
+        "module": module.vmfb.name,
+        "bucket": {bucket["dim"]: bucket["size"]} if bucket else None,
+        "case": case,
+        "runtimes": runtimes,
+        "goal": goal,
+        "load": {"before": quiet, "after": round(load_average(), 2)},
+        "errors": errors,
+        "torch_compile_s": compile_s,
+    }
+
+
+def run_lerobot_benchmark(root: Path, out: Path, *, models: Optional[Sequence[str]], runs: int, warmup: int,
+                          threads: int) -> None:
+    """The LeRobot half of `bazel run //bench`, run in the LeRobot environment: writes its rows to `out`."""
+    set_iree_threads(threads)
+    policies = lerobot_policies(root)
+    if models:
+        policies = [p for p in policies if p.name in set(models)]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dsa-bench-lerobot-") as tmp:
+        for policy in policies:
+            print(f"dsa-bench: {policy.name} (LeRobot) …", flush=True)
+            rows.append(bench_policy(policy, runs=runs, warmup=warmup, threads=threads, work=Path(tmp)))
+    write_json_atomic(out, {"format": RESULTS_FORMAT, "policies": rows})
+
+
+def lerobot_python(root: Path) -> Optional[Path]:
+    """The LeRobot environment's interpreter in this binary's runfiles (None outside Bazel)."""
+    for candidate in (root.parent / "dsa_lerobot_python" / "bin" / "python3",
+                      root / "external" / "dsa_lerobot_python" / "bin" / "python3"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
 # -- reports -----------------------------------------------------------------------------------------
 def _ms(entry: Optional[dict]) -> str:
     if not entry:
@@ -526,6 +688,36 @@ def render_markdown(results: dict) -> str:
         "",
         f"Goal: vmfb tuned / eager ≤ {GOAL_EAGER_RATIO}; for pi0 and the transformer control also "
         f"tuned / ONNX Runtime ≤ {GOAL_ORT_RATIO}.",
+    ]
+    if results.get("policies"):
+        lines += [
+            "",
+            "## LeRobot policies: the shipped modules",
+            "",
+            "Each LeRobot policy the repository builds, as `bazel build //models:<name>` ships it (its own "
+            "target and tuning; the smallest bucket, batch 1, the manifest's step count) against LeRobot's "
+            "own eager inference on the same policy directory (`PolicyClass.from_pretrained`, "
+            "`predict_action_chunk` / `generate_actions`), ONNX Runtime and torch.compile of that same eager "
+            "call, in the LeRobot environment, timed in alternating rounds. `load` is the 1-minute load "
+            f"average before (after waiting up to {QUIET_WAIT_S} s for it to fall below {QUIET_LOAD}) and after.",
+            "",
+            "| policy | target | module | case | eager LeRobot | vmfb | ONNX Runtime | torch.compile "
+            "| vmfb / eager | vmfb / ORT | load | goal |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in results["policies"]:
+            rt, g = r["runtimes"], r["goal"]
+            ort_ratio = f"{g['vs_onnxruntime']:.2f}" if "vs_onnxruntime" in g else "—"
+            lines.append(
+                f"| {r['model']} | {r['target']} | `{r['module']}` | {r['case']} | {_ms(rt.get('eager'))} "
+                f"| {_ms(rt.get('vmfb'))} | {_ms(rt.get('onnxruntime'))} | {_ms(rt.get('torch.compile'))} "
+                f"| {g['vs_eager']:.2f} | {ort_ratio} | {r['load']['before']['load']:.1f} → {r['load']['after']:.1f} "
+                f"| {'met' if g['met'] else '**not met**'} |")
+        for r in results["policies"]:
+            if r.get("errors"):
+                lines.append("")
+                lines.append(f"{r['model']}: " + "; ".join(f"{k} not measured ({v})" for k, v in r["errors"].items()))
+    lines += [
         "",
         "## Graph rewrites: before / after",
         "",
@@ -589,11 +781,14 @@ def render_chart(results: dict, path: Path) -> None:
     labels, series = [], {}
     keys = [("eager", "eager PyTorch"), ("vmfb:default", "vmfb default"), ("vmfb:tuned", "vmfb tuned"),
             ("onnxruntime", "ONNX Runtime"), ("torch.compile", "torch.compile")]
-    for r in results["models"]:
-        for row in r["cases"]:
-            labels.append(f"{r['model']}\n{row['case']}")
-            for key, _ in keys:
-                series.setdefault(key, []).append(row["runtimes"].get(key, {}).get("median_ms", 0.0))
+    rows = [(f"{r['model']}\n{row['case']}", row["runtimes"]) for r in results["models"] for row in r["cases"]]
+    # A LeRobot policy's shipped module is its tuned vmfb (it has no default/rewrites variants).
+    rows += [(f"{r['model']}\n{r['case']}", dict(r["runtimes"], **{"vmfb:tuned": r["runtimes"]["vmfb"]}))
+             for r in results.get("policies", [])]
+    for label, runtimes in rows:
+        labels.append(label)
+        for key, _ in keys:
+            series.setdefault(key, []).append(runtimes.get(key, {}).get("median_ms", 0.0))
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(labels)), 4), dpi=100)
     width = 0.8 / len(keys)
     for i, (key, title) in enumerate(keys):
@@ -629,24 +824,38 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--out-dir", type=Path, help="default: <workspace>/bench")
     parser.add_argument("--root", type=Path, help="checkout to read models and toolchains from")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--no-lerobot", action="store_true",
+                        help="skip the LeRobot policies (measured in the LeRobot environment)")
+    parser.add_argument("--lerobot-only", type=Path, metavar="OUT_JSON",
+                        help=argparse.SUPPRESS)  # the LeRobot half, run by this tool in the LeRobot environment
     a = parser.parse_args(argv)
-    if a.runs < 30:
-        print(f"dsa-bench: note: {a.runs} runs per measurement (the published tables use >= 30)")
     # Not resolved: under `bazel run` this file is a runfiles symlink, and the runfiles tree (not the source
     # tree it points into) holds the generated checkpoints.
     root = a.root or Path(os.path.abspath(__file__)).parents[2]
+    if a.lerobot_only:
+        run_lerobot_benchmark(root, a.lerobot_only, models=a.models, runs=a.runs, warmup=a.warmup,
+                              threads=a.threads)
+        return
+    if a.runs < 30:
+        print(f"dsa-bench: note: {a.runs} runs per measurement (the published tables use >= 30)")
     out_dir = a.out_dir or workspace_root() / "bench"
     target = best_target(cpu_flags()) if a.target == "auto" else a.target
     if not (root / "toolchains" / "targets" / f"{target}.json").exists():
         raise DsaError("--target", f"unknown target '{target}'",
                        f"choose one of {sorted(p.stem for p in (root / 'toolchains' / 'targets').glob('*.json'))}")
     subjects = load_subjects(root / "bench" / "subjects.json", root)
+    policies = [] if a.no_lerobot else [p.name for p in lerobot_policies(root)]
     if a.models:
-        unknown = sorted(set(a.models) - {s.name for s in subjects})
+        known = [s.name for s in subjects] + policies
+        unknown = sorted(set(a.models) - set(known))
         if unknown:
-            raise DsaError("--models", f"no bench subject {', '.join(unknown)}",
-                           f"known: {', '.join(s.name for s in subjects)}")
+            raise DsaError("--models", f"no bench subject {', '.join(unknown)}", f"known: {', '.join(known)}")
         subjects = [s for s in subjects if s.name in a.models]
+        policies = [p for p in policies if p in a.models]
+    python = lerobot_python(root) if policies else None
+    if policies and python is None:
+        raise DsaError("dsa bench", "the LeRobot environment is not in this binary's runfiles",
+                       "run `bazel run //bench`, or pass --no-lerobot")
     set_iree_threads(a.threads)
     results = {
         "format": RESULTS_FORMAT,
@@ -656,6 +865,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "runs": a.runs,
         "warmup": a.warmup,
         "models": [],
+        "policies": [],
     }
     with tempfile.TemporaryDirectory(prefix="dsa-bench-") as tmp:
         for subject in subjects:
@@ -663,6 +873,19 @@ def main(argv: Optional[List[str]] = None) -> None:
             results["models"].append(bench_subject(
                 subject, target_name=target, root=root, work=Path(tmp) / subject.name, runs=a.runs,
                 warmup=a.warmup, threads=a.threads, profile_top=0 if a.no_profile else 8))
+        if policies:
+            # The LeRobot policies run in their own environment (LeRobot and its pinned torch): this tool
+            # again, under that interpreter, with the same import roots.
+            out = Path(tmp) / "lerobot.json"
+            cmd = [str(python), os.path.abspath(__file__), "--lerobot-only", str(out), "--root", str(root),
+                   "--runs", str(a.runs), "--warmup", str(a.warmup), "--threads", str(a.threads),
+                   "--models", *policies]
+            pythonpath = [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+            proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=os.pathsep.join(pythonpath)))
+            if proc.returncode != 0:
+                raise DsaError("dsa bench", f"the LeRobot benchmark failed (exit {proc.returncode})",
+                               f"rerun it alone: {' '.join(cmd)}")
+            results["policies"] = read_json(out)["policies"]
     write_json_atomic(out_dir / "results.json", results)
     text = render_markdown(results)
     write_bytes_atomic(out_dir / "RESULTS.md", text.encode("utf-8"))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from dsa.stages.checkpoint import make_checkpoint
-from dsa.stages.compile import compile_module
+from dsa.stages.compile import check_tuning_family, compile_module, tuning_flags
 from dsa.core.errors import DsaError, run_cli
 from dsa.stages.export import export_model, model_source_files
 from dsa.core.fileio import read_json, write_json_atomic
@@ -38,14 +38,19 @@ def run_pipeline(
     requirements_lock: Path = Path("requirements_lock.txt"),
     tuning: Optional[dict] = None,
     policy_config: Optional[Path] = None,
+    tuning_dir: Optional[Path] = None,
 ) -> List[Path]:
-    """`tuning` maps a target name to the tuning file (toolchains/tuning/<family>.<target>.json) to compile it
-    with; targets without one compile with the target spec's flags only."""
     """Builds every artifact of the manifest's model into `out`; returns the module index of each target.
-    Beside each index lies `<target>.lock.json`, the same recipe lock the Bazel rules write."""
+    Beside each index lies `<target>.lock.json`, the same recipe lock the Bazel rules write.
+
+    `tuning` maps a target name to the tuning file to compile it with; a target without one compiles with
+    `tuning_dir/<family>.<target>.json` when the manifest names its tuning family, else with the target
+    spec's flags only. Every tuning file is checked against its target and the manifest before any export."""
     known = sorted(p.stem for p in targets_dir.glob("*.json"))
     manifest = load_manifest(manifest_path, known_targets=known)
     name = str(manifest_path)
+    tuning = resolve_tuning(manifest, name, targets_dir, tuning_dir or _RULES_DSA_ROOT / "toolchains" / "tuning",
+                            dict(tuning or {}))
     views = out / "views"
     export_view = project(manifest, "export")
     write_json_atomic(views / "export_view.json", export_view)
@@ -164,6 +169,32 @@ def _tuning_key(path: Path) -> str:
     return str(path)
 
 
+def resolve_tuning(manifest: dict, name: str, targets_dir: Path, tuning_dir: Path, given: dict) -> dict:
+    """The tuning file of each target (target name → path), checked before any work: one given for a target
+    the manifest does not list, for another target or of another family than the manifest's `tuning` is
+    refused; a target without one gets `<tuning>.<target>.json` from `tuning_dir` when the manifest names a
+    family (refused, naming the file, when there is none)."""
+    extra = sorted(set(given) - set(manifest["targets"]))
+    if extra:
+        raise DsaError("--tuning", f"target {', '.join(extra)} is not one of {name}'s targets "
+                       f"({', '.join(manifest['targets'])})", "tune a target the manifest lists")
+    family = manifest.get("tuning")
+    for target_name in manifest["targets"]:
+        if target_name not in given and family is not None:
+            path = tuning_dir / f"{family}.{target_name}.json"
+            if not path.is_file():
+                raise DsaError(f"{name}: tuning", f"family '{family}' has no tuning file for target "
+                               f"{target_name} ({path})", "measure one (`bazel run //bench:tune`), pass "
+                               f"--tuning {target_name}=FILE, or remove the target")
+            given[target_name] = path
+        if target_name in given:
+            where = str(given[target_name])
+            data = read_json(given[target_name])
+            tuning_flags(data, read_json(targets_dir / f"{target_name}.json"), where)
+            check_tuning_family(project(manifest, "compile", target=target_name), data, where)
+    return given
+
+
 def _tuning_args(values: List[str]) -> dict:
     tuning = {}
     for value in values:
@@ -195,7 +226,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="framework lerobot: the policy's config.json (default: model.policy_config.path, "
                         "relative to the manifest)")
     parser.add_argument("--tuning", action="append", default=[], metavar="TARGET=FILE",
-                        help="compile TARGET with this tuning file (toolchains/tuning/<family>.<target>.json)")
+                        help="compile TARGET with this tuning file (default: the manifest's tuning family's "
+                        "file in --tuning-dir, if it names one)")
+    parser.add_argument("--tuning-dir", type=Path, default=_RULES_DSA_ROOT / "toolchains" / "tuning",
+                        help="where the manifest's tuning family is looked up (default: this checkout's "
+                        "toolchains/tuning)")
     a = parser.parse_args(argv)
     # Every file argument is checked before any work (an export can take minutes).
     for flag, path in (("--manifest", a.manifest), ("--checkpoint", a.checkpoint),
@@ -209,7 +244,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                            seeded_checkpoint=a.seeded_checkpoint,
                            pythonpath=a.pythonpath or default_pythonpath(a.manifest),
                            requirements_lock=a.requirements_lock, tuning=tuning,
-                           policy_config=a.policy_config)
+                           policy_config=a.policy_config, tuning_dir=a.tuning_dir)
     for index in indexes:
         print(f"dsa compile: wrote {index} and {index.name.replace('.modules.json', '.lock.json')}")
 

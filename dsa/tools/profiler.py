@@ -778,10 +778,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     rewrites = None if a.rewrites is None else [n for n in a.rewrites.split(",") if n]
     from dsa.core.fileio import read_json, write_json_atomic
 
+    tuning = a.tuning
+    if tuning is None:
+        # As the build compiles it: the tuning family the manifest names, for this target.
+        import yaml
+
+        family = (yaml.safe_load(Path(a.manifest).read_text(encoding="utf-8")) or {}).get("tuning")
+        target_name = read_json(a.target).get("name")
+        candidate = Path(__file__).resolve().parents[2] / "toolchains" / "tuning" / f"{family}.{target_name}.json"
+        if family and candidate.is_file():
+            tuning = candidate
     result = profile_model(
         a.manifest, a.checkpoint or a.params, a.target, bucket=a.bucket, steps=a.steps, top=a.top,
         tuning_flags=a.extra_flag + passthrough, runs=a.runs, inputs=dict(a.input),
-        tuning=read_json(a.tuning) if a.tuning else None, pythonpath=a.pythonpath or ["."], keep_dir=a.keep,
+        tuning=read_json(tuning) if tuning else None, pythonpath=a.pythonpath or ["."], keep_dir=a.keep,
         rewrites=rewrites)
     print(format_profile(result))
     if a.json:

@@ -1,6 +1,8 @@
 """ACT through LeRobot: the compiled module matches eager LeRobot (`ACTPolicy.from_pretrained` on the same
-policy directory, `predict_action_chunk`) at several batch sizes of one module, and it reads exactly the
-tensors of LeRobot's model.safetensors.
+policy directory, `predict_action_chunk`) at each batch size: batch is bucketed (manifests/act.yaml
+`buckets.batch: [1, 4]`, static modules for x86_64-v4, the shape IREE's convolution data tiling needs);
+a batch between buckets is padded up and the actions cut back to it. The modules read exactly the tensors
+of LeRobot's model.safetensors.
 
 Tolerance: |vmfb - eager| <= 1e-4 * max(1, max|eager|). Both sides run fp32; IREE reorders the reductions of
 the ResNet-18 backbone and the 4+1-layer transformer: measured ~2e-6 absolute on actions of magnitude ~1.
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from dsa.core.errors import DsaError
 from dsa.frontends.lerobot import reference_actions
 from dsa.runtime.policy import CompiledPolicy, sample_inputs
 from dsa.tools.testing import runfile
@@ -25,21 +28,38 @@ def policy():
     return CompiledPolicy(INDEX)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 3, 4])
 def test_vmfb_matches_eager_lerobot_at_each_batch_size(policy, batch):
     inputs = sample_inputs(policy.modules[0].record, {"batch": batch}, np.random.default_rng(batch))
-    (actions,), _ = policy.run(inputs)
+    (actions,), module = policy.run(inputs)
     expected = reference_actions(POLICY_DIR, inputs, None)
     assert actions.shape == expected.shape == (batch, 100, 14)
+    assert module.bucket["size"] == (1 if batch == 1 else 4)
     err = float(np.abs(actions - expected).max())
     assert err <= REL_TOL * max(1.0, float(np.abs(expected).max())), err
 
 
-def test_batch_is_a_dynamic_dim_of_the_single_module(policy):
-    assert len(policy.modules) == 1
-    record = policy.modules[0].record
-    assert record["dynamic_dims"] == {"batch": {"min": 1, "max": 65536}}
-    assert all(spec["shape"][0] == "batch" for spec in record["inputs"])
+def test_batch_buckets_are_static_modules_whose_actions_are_cut_back_to_the_batch(policy):
+    assert [m.bucket["size"] for m in policy.modules] == [1, 4]
+    for module in policy.modules:
+        record = module.record
+        size = module.bucket["size"]
+        assert record["dynamic_dims"] == {}
+        assert all(spec["shape"][0] == size and spec["dims"] == {"0": "batch"} for spec in record["inputs"])
+        assert record["outputs"] == [{"name": "action", "shape": [size, 100, 14], "dtype": "float32",
+                                      "dims": {"0": "batch"}}]
+
+
+def test_a_batch_over_the_largest_bucket_is_refused_naming_the_manifest_field(policy):
+    inputs = sample_inputs(policy.modules[0].record, {"batch": 5}, np.random.default_rng(5))
+    with pytest.raises(DsaError, match=r"batch is 5, longer than the largest bucket \(4.*buckets\.batch"):
+        policy.run(inputs)
+
+
+def test_the_image_stem_is_one_im2col_matmul(policy):
+    """The 7x7/2 ResNet stem over 3 channels is rewritten (dsa.stages.passes.stem_conv_to_matmul)."""
+    for module in policy.modules:
+        assert module.record["rewrites"]["stem_conv_to_matmul"] == 1
 
 
 def test_module_reads_the_tensors_of_lerobots_model_safetensors(policy):

@@ -127,10 +127,13 @@ def dsa_policy(
 def _index_impl(ctx):
     rows = []
     for policy, test in zip(ctx.attr.policies, ctx.attr.tests):
+        config = policy[DsaModuleInfo].model.policy_config
         rows.append(struct(
             name = policy.label.name,
             label = str(policy.label),
             index = policy[DsaModuleInfo].index.short_path,
+            # A LeRobot policy's config.json (its directory also holds model.safetensors), else None.
+            policy_config = config.short_path if config else None,
             test = test,
         ))
     pipelines = []
@@ -179,6 +182,8 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
         parity test; each pipeline's stages);
       * `<name>`: that index plus every policy's and pipeline's outputs (modules, records, MLIR, archives) as
         files and runfiles: what the import matrix needs (`bazel build //models:policies` builds them all);
+      * `<name>_lerobot`: the index plus the LeRobot policies (framework lerobot) with their policy
+        directories: what the benchmark runs in the LeRobot environment;
       * `<name>_code`: a py_library of every policy's model code (the dsa_models' `deps`), and
         `<name>_checkpoints`: the seeded checkpoints dsa_policy made — what the benchmark reads, without
         building (or fetching the environment of) any policy.
@@ -190,7 +195,7 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
     """
     policies, tests, models = [], [], []
     pipelines, ptests = [], []
-    code, checkpoints = {}, []
+    code, checkpoints, lerobot = {}, [], []
     rules = native.existing_rules()
     for rule_name, r in rules.items():
         if r["kind"] == "dsa_vmfb" and POLICY_TAG in r.get("tags", []):
@@ -204,6 +209,10 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
                 checkpoints.append(":%s_checkpoint" % rule_name)
             if (rule_name + "_buckets") in rules:
                 models.append(":%s_buckets" % rule_name)
+            policy_config = rules.get(rule_name + "_model", {}).get("policy_config")
+            if policy_config:
+                # The policy and its LeRobot policy directory (config.json + model.safetensors).
+                lerobot += [":" + rule_name, policy_config.rpartition("/")[0]]
         elif r["kind"] == "dsa_pipeline":
             pipelines.append(":" + rule_name)
             ptests.append(pipeline_tests.get(rule_name, ""))
@@ -221,6 +230,11 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
     _dsa_policy_set(
         name = name,
         srcs = [":%s_index" % name] + policies + pipelines + models,
+        **kwargs
+    )
+    _dsa_policy_set(
+        name = name + "_lerobot",
+        srcs = [":%s_index" % name] + sorted({t: True for t in lerobot}.keys()),
         **kwargs
     )
     py_library(

@@ -68,6 +68,12 @@ def _dsa_vmfb_impl(ctx):
         records = [model.export_record]
         bucket_views = []
 
+    # A tuning file is `<family>.<target>.json`: one for another target is refused here, before any action
+    # (export included) runs. DsaCompile checks its family against the manifest's `tuning`.
+    if ctx.file.tuning and not ctx.file.tuning.basename.endswith(".%s.json" % target.name):
+        fail("dsa_vmfb %s: tuning %s is not for target %s (tuning files are <family>.<target>.json); use " % (
+            ctx.label, ctx.file.tuning.short_path, target.name) + "the family's %s file" % target.name)
+
     view = ctx.actions.declare_file("%s/compile_view.%s.json" % (name, target.name))
     manifest_view(ctx, model.manifest, "compile", view, target = target.name)
 

@@ -121,7 +121,8 @@ def test_extension_fields_are_ignored(tmp_path, pi0):
 
 def test_newer_minor_version_without_new_fields_loads(tmp_path, pi0):
     path = tmp_path / "minor.yaml"
-    path.write_text(PI0.read_text(encoding="utf-8").replace('"1.0.0"', '"1.4.2"'), encoding="utf-8")
+    path.write_text(PI0.read_text(encoding="utf-8").replace('"1.3.0"', '"1.4.2"'), encoding="utf-8")
+    assert 'schema_version: "1.4.2"' in path.read_text(encoding="utf-8")
     assert load_manifest(path)["model_id"] == pi0["model_id"]
 
 
@@ -161,7 +162,11 @@ def test_views(pi0):
         "model_id": "pi0",
         "quant_scheme": {"kind": "none"},
         "target": "x86_64-v3",
+        "tuning": "flow_vla",
     }
+    # A manifest without `tuning` keeps the compile view it had before the field existed (same bytes).
+    untuned = {k: v for k, v in pi0.items() if k != "tuning"}
+    assert "tuning" not in project(untuned, "compile", target="x86_64-v3")
     assert project(pi0, "bucket", bucket=("prompt_len", 1)) == {
         "dim": "prompt_len",
         "slot": 1,
@@ -221,6 +226,7 @@ def _mutations():
         "buckets": update("buckets", "image_len", [8]),
         "quant_scheme": set_("quant_scheme", {"kind": "int8"}),
         "targets": set_("targets", ["x86_64-v3", "arm64"]),
+        "tuning": set_("tuning", "other_family"),
         "power_profile": set_("power_profile", "performance"),
         "normalization": set_("normalization", {"stats": "other.json"}),
     }

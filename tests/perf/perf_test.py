@@ -1,5 +1,7 @@
 """Benchmark and tuner logic, and the tuning data in toolchains/tuning (no timing is asserted anywhere)."""
 
+import json
+
 import pytest
 
 from dsa.tools import bench
@@ -214,3 +216,40 @@ def test_current_flags_stay_unless_the_winner_beats_them_by_the_margin():
     assert tune.keep_incumbent(measured, ["--a"], 0.01)["name"] == "new"
     assert tune.keep_incumbent(measured, ["--c"], 0.05)["name"] == "new"  # current no longer qualifies
     assert tune.keep_incumbent(measured, None, 0.05)["name"] == "new"
+
+
+# -- the LeRobot policies (run in the LeRobot environment by `bazel run //bench`) -----------------------
+
+
+def test_lerobot_policies_are_the_index_rows_with_a_policy_config(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "policies_index.json").write_text(json.dumps({"format": 1, "pipelines": [], "policies": [
+        {"name": "pi0", "index": "models/pi0.modules.json", "policy_config": None, "test": ""},
+        {"name": "act", "index": "models/act.modules.json", "policy_config": "models/act_policy/config.json",
+         "test": "//models/act:act_test"}]}))
+    [policy] = bench.lerobot_policies(tmp_path)
+    assert (policy.name, policy.index, policy.policy_dir) == (
+        "act", tmp_path / "models/act.modules.json", tmp_path / "models/act_policy")
+
+
+def test_quiet_wait_returns_at_once_on_an_idle_machine_and_reports_a_busy_one(monkeypatch):
+    monkeypatch.setattr(bench, "load_average", lambda: 0.4)
+    assert bench.wait_for_quiet(limit=1.5, wait_s=30) == {"load": 0.4, "waited_s": 0.0, "quiet": True}
+    monkeypatch.setattr(bench, "load_average", lambda: 3.0)
+    seen = bench.wait_for_quiet(limit=1.5, wait_s=0)
+    assert seen["quiet"] is False and seen["load"] == 3.0
+
+
+def test_markdown_report_has_a_row_per_lerobot_policy_with_load_and_goal():
+    entry = lambda ms: {"median_ms": ms, "p90_ms": ms * 1.1, "runs": 30, "parity": {"ok": True}}  # noqa: E731
+    row = {"model": "act", "target": "x86_64-v4", "module": "batch_0.vmfb", "bucket": {"batch": 1},
+           "case": "batch=1", "runtimes": {"eager": entry(250.0), "vmfb": entry(200.0), "onnxruntime": entry(160.0)},
+           "goal": {"vs_eager": 0.8, "met": True, "vs_onnxruntime": 1.25},
+           "load": {"before": {"load": 0.9, "waited_s": 0.0, "quiet": True}, "after": 1.2},
+           "errors": {"torch.compile": "RuntimeError: x"}}
+    text = bench.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": True, "system": "s",
+                                              "python": "3"}, "date": "d", "target": "x86_64-v4", "runs": 30,
+                                  "warmup": 5, "models": [], "policies": [row]})
+    assert ("| act | x86_64-v4 | `batch_0.vmfb` | batch=1 | 250.00 / 275.00 | 200.00 / 220.00 | 160.00 / 176.00 "
+            "| — | 0.80 | 1.25 | 0.9 → 1.2 | met |") in text
+    assert "act: torch.compile not measured (RuntimeError: x)" in text

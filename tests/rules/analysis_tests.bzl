@@ -451,6 +451,10 @@ def dsa_rules_analysis_tests(name):
             "target_under_test": ":bundle_without_module_or_pipeline",
             "message": "set exactly one of `module` (a dsa_vmfb) and `pipeline` (a dsa_pipeline)",
         }),
+        (analysis_failure_test, "dsa_vmfb_with_a_tuning_file_of_another_target_fails_before_any_action", {
+            "target_under_test": ":vmfb_tuned_for_another_target",
+            "message": "tuning toolchains/tuning/flow_vla.x86_64-v4.json is not for target x86_64-v3",
+        }),
         (analysis_failure_test, "dsa_model_with_a_python_env_that_is_no_env_fails", {
             "target_under_test": ":model_with_bad_python_env",
             "message": "python_env must be a dsa_python_env's :env target (bin/python3 and identity.json)",

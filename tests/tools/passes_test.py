@@ -285,6 +285,56 @@ def test_patchify_leaves_other_convolutions_alone(conv):
     assert aten.conv2d.default in _targets(rewritten)
 
 
+# -- stem_conv_to_matmul -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cin,kernel,stride,padding,dilation,shape,bias",
+    [
+        (3, 7, 2, 3, 1, (1, 3, 48, 64), False),  # ResNet-18's stem (LeRobot ACT, Diffusion Policy)
+        (3, 3, 1, 1, 1, (2, 3, 16, 16), True),  # static batch of 2
+        (4, 3, 2, 0, 1, (1, 4, 17, 15), True),  # RGB-D, odd sizes, no padding
+        (1, (3, 5), (1, 2), (1, 2), 2, (1, 1, 20, 24), True),  # non-square, dilated
+    ],
+    ids=["resnet_stem", "3x3p1_batch2", "rgbd_3x3s2", "3x5_dilated"],
+)
+def test_stem_conv_to_matmul_makes_im2col_and_one_matmul_matching_eager(cin, kernel, stride, padding, dilation,
+                                                                        shape, bias):
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(cin, 16, kernel, stride=stride, padding=padding, dilation=dilation,
+                                     bias=bias), nn.ReLU())
+    args = (torch.randn(*shape),)
+    _, rewritten, count = _rewrite(module, args, "stem_conv_to_matmul")
+    assert count == 1
+    targets = _targets(rewritten)
+    assert aten.conv2d.default not in targets and aten.matmul.default in targets
+    assert aten.index.Tensor in targets and aten.im2col.default not in targets  # IREE imports no im2col
+    _assert_matches_eager(module, rewritten, args)
+
+
+@pytest.mark.parametrize(
+    "conv,dims",
+    [(nn.Conv2d(5, 8, 3, padding=1), None), (nn.Conv2d(3, 8, 1, stride=2), None),
+     (nn.Conv2d(3, 9, 3, padding=1, groups=3), None),
+     (nn.Conv2d(3, 8, 3, padding=1), ({0: torch.export.Dim("batch", min=1, max=64)},))],
+    ids=["5_channels", "1x1", "grouped", "dynamic_batch"],
+)
+def test_stem_conv_to_matmul_leaves_deep_pointwise_grouped_and_dynamic_batch_convs_alone(conv, dims):
+    args = (torch.randn(2, conv.in_channels, 12, 12),)
+    _, rewritten, count = _rewrite(conv, args, "stem_conv_to_matmul", dims)
+    assert count == 0
+    assert aten.conv2d.default in _targets(rewritten)
+
+
+def test_patchify_takes_a_patch_embedding_before_the_stem_rewrite():
+    torch.manual_seed(0)
+    module, args = Conv(3, 16, 16, 16), (torch.randn(1, 3, 32, 32),)
+    program = _export(module, args)
+    rewritten, counts = apply_passes(program, ["patchify_conv_to_matmul", "stem_conv_to_matmul"])
+    assert counts == {"patchify_conv_to_matmul": 1, "stem_conv_to_matmul": 0}
+    _assert_matches_eager(module, rewritten, args)
+
+
 # -- attention_to_sdpa ---------------------------------------------------------------------------------
 
 
@@ -443,7 +493,8 @@ def test_decompose_attention_leaves_causal_attention_fused():
 
 
 class Policy(nn.Module):
-    """Every pattern once: patch embedding, conv + BN, 1x1 stride-2 conv, bool-& masked attention."""
+    """Every pattern once: 3-channel stem conv + BN, 1x1 stride-2 conv, patch embedding, bool-& masked
+    attention."""
 
     def __init__(self):
         super().__init__()
@@ -479,8 +530,9 @@ def test_rewritten_program_imports_compiles_and_runs_like_eager(tmp_path):
     program = _export(module, (image, keep))
     rewritten, counts = apply_passes(program, list(PASSES))
     # attention_to_sdpa makes one SDPA; decompose_attention (its inverse, later in the order) takes it apart.
+    # The 3-channel stem (its batch norm folded first) becomes im2col + matmul.
     assert counts == {"bool_and_to_logical_and": 1, "fold_batchnorm": 1, "patchify_conv_to_matmul": 2,
-                      "attention_to_sdpa": 1, "decompose_attention": 1}
+                      "stem_conv_to_matmul": 1, "attention_to_sdpa": 1, "decompose_attention": 1}
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

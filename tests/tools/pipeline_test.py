@@ -1,8 +1,17 @@
-"""dsa-compile (no Bazel) runs the same stage code as the rules and gives byte-identical artifacts and lock."""
+"""dsa-compile (no Bazel) runs the same stage code as the rules and gives byte-identical artifacts and lock,
+with the tuning the manifest names (no --tuning flag); a tuning file that does not fit is refused before any
+export."""
 
+import pytest
+
+from dsa.core.errors import DsaError
 from dsa.core.fileio import read_json, sha256_file
-from dsa.tools.pipeline import run_pipeline
+from dsa.manifest.contract import load_manifest
+from dsa.tools.pipeline import resolve_tuning, run_pipeline
 from dsa.tools.testing import runfile
+
+TARGETS = runfile("toolchains/targets")
+TUNING = runfile("toolchains/tuning")
 
 
 def test_dsa_compile_matches_bazel_build_byte_for_byte(tmp_path):
@@ -13,7 +22,7 @@ def test_dsa_compile_matches_bazel_build_byte_for_byte(tmp_path):
         seeded_checkpoint=0,
         pythonpath=[str(runfile("."))],
         requirements_lock=runfile("requirements_lock.txt"),
-        tuning={"x86_64-v3": runfile("toolchains/tuning/flow_vla.x86_64-v3.json")},
+        tuning_dir=TUNING,  # the manifest's `tuning: flow_vla` picks flow_vla.x86_64-v3.json, as the rule does
     )
     assert [i.name for i in indexes] == ["x86_64-v3.modules.json"]
     ours = read_json(indexes[0])
@@ -31,3 +40,45 @@ def test_dsa_compile_matches_bazel_build_byte_for_byte(tmp_path):
     ours_lock, bazel_lock = tmp_path / "x86_64-v3.lock.json", runfile("models/pi0.lock.json")
     assert read_json(ours_lock) == read_json(bazel_lock)
     assert sha256_file(ours_lock) == sha256_file(bazel_lock)
+
+
+@pytest.fixture
+def pi0():
+    return load_manifest(runfile("manifests/pi0.yaml"))
+
+
+def test_the_manifests_tuning_family_is_found_for_each_target(pi0):
+    assert resolve_tuning(pi0, "pi0.yaml", TARGETS, TUNING, {}) == {
+        "x86_64-v3": TUNING / "flow_vla.x86_64-v3.json"}
+
+
+def test_a_family_without_a_file_for_a_target_is_refused_naming_the_field_and_file(pi0, tmp_path):
+    with pytest.raises(DsaError, match=r"pi0.yaml: tuning: family 'flow_vla' has no tuning file for target "
+                                       r"x86_64-v3 \(.*flow_vla.x86_64-v3.json\)"):
+        resolve_tuning(pi0, "pi0.yaml", TARGETS, tmp_path, {})
+
+
+def test_a_tuning_file_for_another_target_is_refused(pi0):
+    with pytest.raises(DsaError, match="tuning is for target 'x86_64-v4' but this compile is for 'x86_64-v3'"):
+        resolve_tuning(pi0, "pi0.yaml", TARGETS, TUNING, {"x86_64-v3": TUNING / "flow_vla.x86_64-v4.json"})
+
+
+def test_a_tuning_file_of_another_family_than_the_manifests_is_refused(pi0):
+    with pytest.raises(DsaError, match="the manifest's tuning is 'flow_vla', but the tuning file given is of "
+                                       "family 'transformer'"):
+        resolve_tuning(pi0, "pi0.yaml", TARGETS, TUNING, {"x86_64-v3": TUNING / "transformer.x86_64-v3.json"})
+
+
+def test_a_tuning_file_for_a_target_the_manifest_does_not_list_is_refused(pi0):
+    with pytest.raises(DsaError, match="--tuning: target x86_64-v4 is not one of pi0.yaml's targets"):
+        resolve_tuning(pi0, "pi0.yaml", TARGETS, TUNING, {"x86_64-v4": TUNING / "flow_vla.x86_64-v4.json"})
+
+
+def test_dsa_compile_refuses_a_wrong_tuning_before_exporting(tmp_path):
+    """The check runs before the export: nothing is written to --out."""
+    out = tmp_path / "out"
+    with pytest.raises(DsaError, match="family 'transformer'"):
+        run_pipeline(runfile("manifests/pi0.yaml"), out, targets_dir=TARGETS, seeded_checkpoint=0,
+                     pythonpath=[str(runfile("."))], requirements_lock=runfile("requirements_lock.txt"),
+                     tuning={"x86_64-v3": TUNING / "transformer.x86_64-v3.json"}, tuning_dir=TUNING)
+    assert not out.exists()
