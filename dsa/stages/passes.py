@@ -228,6 +228,18 @@ def fold_batchnorm(g: _Graph) -> int:
     return count
 
 
+def _dense_conv2d(node):
+    """A 2-D, ungrouped, not transposed convolution of a 4-D input: (arguments, input, weight, bias, input
+    value), else None."""
+    if not _is_plain_conv(node) or _val(node.args[1]).dim() != 4:
+        return None
+    a = _arguments(node)
+    xv = _val(a["input"])
+    if xv.dim() != 4 or a["groups"] != 1:
+        return None
+    return a, a["input"], a["weight"], a["bias"], xv
+
+
 # -- 3. patchify_conv_to_matmul ------------------------------------------------------------------------
 
 
@@ -253,14 +265,11 @@ def patchify_conv_to_matmul(g: _Graph) -> int:
     the permutes back into a strided generic "matmul_like" dispatch as slow as the convolution."""
     count = 0
     for node in list(g.graph.nodes):
-        if not _is_plain_conv(node) or _val(node.args[1]).dim() != 4:
+        conv = _dense_conv2d(node)
+        if conv is None:
             continue
-        a = _arguments(node)
-        x, weight, bias = a["input"], a["weight"], a["bias"]
-        xv, wv = _val(x), _val(weight)
-        if xv.dim() != 4 or a["groups"] != 1:
-            continue
-        cout, cin, kh, kw = (_static(d) for d in wv.shape)
+        a, x, weight, bias, xv = conv
+        cout, cin, kh, kw = (_static(d) for d in _val(weight).shape)
         b_, c, h, w = xv.shape
         c, h, w = _static(c), _static(h), _static(w)
         if None in (cout, cin, kh, kw, c, h, w):
@@ -338,14 +347,11 @@ def stem_conv_to_matmul(g: _Graph) -> int:
     23.4 → 13.0 ms). Deeper convolutions (64+ channels) stay convolutions: IREE tiles them well."""
     count = 0
     for node in list(g.graph.nodes):
-        if not _is_plain_conv(node) or _val(node.args[1]).dim() != 4:
+        conv = _dense_conv2d(node)
+        if conv is None:
             continue
-        a = _arguments(node)
-        x, weight, bias = a["input"], a["weight"], a["bias"]
-        xv, wv = _val(x), _val(weight)
-        if xv.dim() != 4 or a["groups"] != 1:
-            continue
-        cout, cin, kh, kw = (_static(d) for d in wv.shape)
+        a, x, weight, bias, xv = conv
+        cout, cin, kh, kw = (_static(d) for d in _val(weight).shape)
         b_, h, w = _static(xv.shape[0]), _static(xv.shape[2]), _static(xv.shape[3])
         if None in (cout, cin, kh, kw, b_, h, w) or cin > STEM_MAX_CHANNELS or (kh, kw) == (1, 1):
             continue

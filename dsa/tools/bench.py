@@ -521,26 +521,24 @@ def wait_for_quiet(limit: float = QUIET_LOAD, wait_s: float = QUIET_WAIT_S) -> d
     return {"load": round(load, 2), "waited_s": round(time.monotonic() - start, 1), "quiet": load < limit}
 
 
-class _EagerLeRobot:
+def eager_lerobot(policy, names: List[str], steps: Optional[int]):
     """LeRobot's own eager inference on one policy (what a robot runs without rules_dsa), as a torch module
     of positional tensors, so ONNX Runtime and torch.compile get exactly the same computation."""
+    import torch
 
-    def __new__(cls, policy, names: List[str], steps: Optional[int]):
-        import torch
+    from dsa.frontends.lerobot import POLICY_TYPES
 
-        from dsa.frontends.lerobot import POLICY_TYPES
+    reference = POLICY_TYPES[policy.config.type].reference
 
-        reference = POLICY_TYPES[policy.config.type].reference
+    class EagerLeRobot(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.policy = policy
 
-        class EagerLeRobot(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.policy = policy
+        def forward(self, *tensors):
+            return reference(self.policy, dict(zip(names, tensors)), steps)
 
-            def forward(self, *tensors):
-                return reference(self.policy, dict(zip(names, tensors)), steps)
-
-        return EagerLeRobot().eval()
+    return EagerLeRobot().eval()
 
 
 def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: Path, with_ort: bool = True,
@@ -563,7 +561,7 @@ def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: 
         steps = int(compiled.runtime_view.get("flow_steps") or 10)
         inputs["steps"] = np.array(steps, dtype=np.int64)
     observation = [n for n in names if n != "steps"]
-    eager = _EagerLeRobot(load_pretrained(policy.policy_dir), observation, steps)
+    eager = eager_lerobot(load_pretrained(policy.policy_dir), observation, steps)
     args = [torch.from_numpy(np.asarray(inputs[n])) for n in observation]
     with torch.no_grad():
         ref = eager(*args).numpy().astype(np.float64)
