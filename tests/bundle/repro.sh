@@ -41,16 +41,21 @@ for i in 0 1; do
     (cd "$checkout" && ./bazelw --output_base="${bases[$i]}" build "$target")
     echo "repro: built in $(($(date +%s) - start)) s"
     digests+=("$(cat "$checkout/bazel-bin/models/pi0_bundle.sha256")")
+    # Keep the bundle (for `dsa diff`), then free this output base before the next one is made: one
+    # Python environment and build tree on disk at a time.
+    cp "$checkout/bazel-bin/models/pi0_bundle.tar" "$work/bundle$i.tar"
+    if [ "$i" = 0 ]; then
+        (cd "$checkout" && ./bazelw --output_base="${bases[$i]}" clean --expunge >/dev/null 2>&1 || true)
+    fi
 done
 
 echo "repro: ${checkouts[0]}: ${digests[0]}"
 echo "repro: ${checkouts[1]}: ${digests[1]}"
 if [ "${digests[0]}" != "${digests[1]}" ]; then
     echo "repro: FAILED: the two checkouts built different bundles; what differs:" >&2
-    (cd "${checkouts[0]}" &&
-        "${bases[0]}/external/dsa_python/bin/python3" -m dsa.tools.diff \
-            "${checkouts[0]}/bazel-bin/models/pi0_bundle.tar" "${checkouts[1]}/bazel-bin/models/pi0_bundle.tar" >&2 ||
+    (cd "${checkouts[1]}" &&
+        "${bases[1]}/external/dsa_python/bin/python3" -m dsa.tools.diff "$work/bundle0.tar" "$work/bundle1.tar" >&2 ||
         true)
     exit 1
 fi
-echo "repro: OK: the bundle is byte-identical ($(stat -c %s "${checkouts[0]}/bazel-bin/models/pi0_bundle.tar") bytes)"
+echo "repro: OK: the bundle is byte-identical ($(stat -c %s "$work/bundle0.tar") bytes)"
