@@ -27,6 +27,18 @@ def _metadata(dtype: str, shape) -> str:
     return _METADATA_PREFIX + json.dumps({"type": "Tensor", "dtype": dtype, "shape": list(shape)})
 
 
+def check_checkpoint_digest(checkpoint: Path, view: dict, manifest_name: str = "manifest") -> None:
+    """The checkpoint must be the one the manifest pins (checkpoint.sha256)."""
+    expected_sha = view["checkpoint"]["sha256"]
+    actual_sha = sha256_file(checkpoint)
+    if actual_sha != expected_sha:
+        raise DsaError(
+            f"{manifest_name}: checkpoint.sha256",
+            f"checkpoint {checkpoint} has sha256 {actual_sha}, but the manifest pins {expected_sha}",
+            "if this checkpoint is the one you mean to ship, set checkpoint.sha256 to the new digest",
+        )
+
+
 def build_params(
     checkpoint: Path,
     view: dict,
@@ -41,14 +53,7 @@ def build_params(
 
     from dsa.stages.spec import DTYPE_NAMES
 
-    expected_sha = view["checkpoint"]["sha256"]
-    actual_sha = sha256_file(checkpoint)
-    if actual_sha != expected_sha:
-        raise DsaError(
-            f"{manifest_name}: checkpoint.sha256",
-            f"checkpoint {checkpoint} has sha256 {actual_sha}, but the manifest pins {expected_sha}",
-            "if this checkpoint is the one you mean to ship, set checkpoint.sha256 to the new digest",
-        )
+    check_checkpoint_digest(checkpoint, view, manifest_name)
     scheme = view["quant_scheme"]
     quantization = record.get("quantization", {"scheme": {"kind": "none"}, "tensors": {}})
     if quantization["scheme"] != scheme:

@@ -15,6 +15,10 @@ Writes docs/import-matrix.md (the table, how it was made, machine, CPU, date, co
                      its compile report, in a child process whose peak RSS is its wait4 rusage (ru_maxrss);
                      the re-run's vmfb must be byte-identical to the built one (a mismatch is reported loudly
                      and makes the command fail after writing)
+  import→vmfb        measured here: `dsa compile` of the model (its manifest, checkpoint and, for LeRobot, policy
+                     config from the build, in the model's own Python environment) into a scratch directory: the
+                     whole run's wall time and the largest peak RSS of its stages (each a process of its own;
+                     the stage named), from its timings.json (--no-import skips it)
   latency            measured here: `iree-benchmark-module` on the same module's built vmfb and the parameter
                      archive, with deterministic sample inputs from its export record (dsa.runtime.policy.
                      sample_inputs; dynamic dims at their smallest size, bucketed dims at the module's bucket,
@@ -51,6 +55,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.formats import CompileReport, ExportRecord, PipelineIndex
+from dsa.runtime.host import check_host
+from dsa.tools.measure import run_measured
 
 DATA_FORMAT = 1
 BEGIN_MARKER = "<!-- import-matrix:begin -->"
@@ -80,6 +86,13 @@ class ModelSpec:
 # policy that is a pipeline's stage is part of the pipeline's row.
 POLICIES_INDEX = "models/policies_index.json"
 POLICIES_INDEX_FORMAT = 1
+
+
+def read_import_sources(bin_dir: Path) -> Dict[str, dict]:
+    """Per policy (dsa_vmfb name): what `dsa compile` needs to build it without Bazel — its manifest,
+    checkpoint, policy_config and python (None: the toolchain's) — as the policies index gives them."""
+    index = json.loads((bin_dir / POLICIES_INDEX).read_text())
+    return {p["name"]: p for p in index["policies"] if "manifest" in p}
 
 
 def read_models(bin_dir: Path) -> List[ModelSpec]:
@@ -233,45 +246,6 @@ def collect_files(spec: ModelSpec, unit: Unit, test: dict) -> dict:
 
 
 # -- measurement: compile time and peak RSS ----------------------------------------------------------------
-# The measured child is started by this small launcher, not by this process: Linux carries a process's
-# peak-RSS record across execve, and a child forked (or vforked) from a large parent starts with the parent's
-# resident set as its high-water mark, so ru_maxrss would report at least this process's own size. The launcher
-# (a bare interpreter, ~10 MB) forks and execs the command and reports its wait4 rusage.
-_WAIT4_LAUNCHER = r"""
-import json, os, sys, time
-cmd = json.loads(sys.argv[1])
-start = time.monotonic()
-pid = os.fork()
-if pid == 0:
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 1)
-        os.execvp(cmd[0], cmd)
-    finally:
-        os._exit(127)
-_, status, usage = os.wait4(pid, 0)
-wall = time.monotonic() - start
-print(json.dumps({"returncode": os.waitstatus_to_exitcode(status), "wall_s": wall,
-                  "peak_rss_kib": usage.ru_maxrss}))
-"""
-
-
-def run_measured(cmd: Sequence[str]) -> dict:
-    """Runs `cmd` as a child process reaped with os.wait4: {"returncode", "wall_s", "peak_rss_kib" (its
-    rusage ru_maxrss, KiB on Linux), "stderr"}. Its stdout is discarded. Raises nothing for a failing command."""
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.run([sys.executable, "-S", "-c", _WAIT4_LAUNCHER, json.dumps(list(cmd))],
-                              stdout=subprocess.PIPE, stderr=err)
-        err.seek(0)
-        stderr = err.read().decode("utf-8", "replace")
-    try:
-        result = json.loads(proc.stdout.decode("utf-8").strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise DsaError("dsa-import-matrix", f"the measuring launcher failed (exit {proc.returncode})",
-                       stderr.strip()[-300:] or "no message") from None
-    result["peak_rss_kib"] = int(result["peak_rss_kib"])
-    result["stderr"] = stderr
-    return result
 
 
 def measure_compile(module: dict, work: Path, where: str) -> dict:
@@ -364,6 +338,7 @@ def measure_latency(unit: Unit, module: dict, work: Path, *, runs: int, threads:
     record = ExportRecord.read(module["record"])
     runtime_view = json.loads((unit.base / unit.index["runtime_view"]).read_text())
     target_spec = json.loads((unit.base / unit.index["target_spec"]).read_text())
+    check_host(target_spec, where)  # a build for a CPU this machine lacks would die of SIGILL
     values, described = sample_values(record, runtime_view.get("flow_steps"))
     described = described or "static shapes"
     specs = [argparse.Namespace(name=s["name"], dtype=s["dtype"]) for s in record["inputs"]]
@@ -387,6 +362,53 @@ def measure_latency(unit: Unit, module: dict, work: Path, *, runs: int, threads:
             "driver": target_spec["runtime_driver"], "inputs": described}
 
 
+def _resolve(short_path: str, bin_dir: Path, workspace: Path) -> Path:
+    """A runfiles short path from the policies index: a generated file (bin_dir), a source file (bin_dir under
+    `bazel run`, else the workspace), or `../<repo>/...` in an external repository (the runfiles tree's
+    sibling, or the output base's external/ beside bazel-bin)."""
+    if short_path.startswith("../"):
+        rest = short_path[3:]
+        resolved = bin_dir.resolve()
+        candidates = [bin_dir.parent / rest, bin_dir / "external" / rest]
+        if len(resolved.parents) > 4:
+            candidates.append(resolved.parents[4] / "external" / rest)  # output_base/execroot/_main/bazel-out/<cfg>/bin
+    else:
+        candidates = [bin_dir / short_path, workspace / short_path]
+    return next((c for c in candidates if c.exists()), candidates[0])
+
+
+def import_command(source: dict, out: Path, bin_dir: Path, workspace: Path) -> List[str]:
+    """`dsa compile` of one policy from the files its build used, in its build's Python environment."""
+    python = _resolve(source["python"], bin_dir, workspace) if source.get("python") else Path(sys.executable)
+    root = bin_dir if (bin_dir / "toolchains" / "targets").is_dir() else workspace
+    cmd = [str(python), "-m", "dsa", "compile", "--manifest", str(_resolve(source["manifest"], bin_dir, workspace)),
+           "--out", str(out), "--checkpoint", str(_resolve(source["checkpoint"], bin_dir, workspace)),
+           "--targets-dir", str(root / "toolchains" / "targets"), "--tuning-dir", str(root / "toolchains" / "tuning"),
+           "--pythonpath", str(root)]
+    if source.get("policy_config"):
+        cmd += ["--policy-config", str(_resolve(source["policy_config"], bin_dir, workspace))]
+    return cmd
+
+
+def measure_import(source: dict, bin_dir: Path, workspace: Path, work: Path, where: str) -> dict:
+    """Import→vmfb: `dsa compile` of the policy, its wall time and the largest peak RSS of its stages."""
+    import dsa
+
+    out = work / "import"
+    cmd = import_command(source, out, bin_dir, workspace)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(dsa.__file__).resolve().parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    result = run_measured(cmd, env=env)
+    timings = out / "timings.json"
+    if result["returncode"] != 0 or not timings.is_file():
+        lines = [l for l in result["stderr"].strip().splitlines() if l.strip()] or [f"exit {result['returncode']}"]
+        raise DsaError(where, f"dsa compile failed: {lines[-1].strip()[:300]}",
+                       f"reproduce with: {shlex.join(cmd)}")
+    data = json.loads(timings.read_text())
+    return {"import_s": result["wall_s"], "import_peak_rss_kib": data["peak_rss_kib"],
+            "import_peak_stage": data["peak_stage"]}
+
+
 def measure_row(row: dict, unit: Unit, *, runs: int, threads: int) -> None:
     """Adds the measured cells to `row` (one module: the smallest bucket); failures become notes."""
     if not row["compile"] or not row["export"]:
@@ -408,7 +430,11 @@ def measure_row(row: dict, unit: Unit, *, runs: int, threads: int) -> None:
 
 
 def collect(models: Sequence[ModelSpec], bin_dir: Path, testlogs: Path, *, measure: bool, runs: int,
-            threads: int, log=print) -> List[dict]:
+            threads: int, log=print, sources: Optional[Dict[str, dict]] = None,
+            workspace: Optional[Path] = None) -> List[dict]:
+    """The table's rows; with `measure`, each built module measured, and, for the policies in `sources`
+    (read_import_sources), `dsa compile` timed from their manifest and checkpoint."""
+    sources = sources or {}
     rows = []
     for spec in models:
         test = parse_test_result(test_xml_dir(testlogs, spec.test))
@@ -418,6 +444,15 @@ def collect(models: Sequence[ModelSpec], bin_dir: Path, testlogs: Path, *, measu
             if measure and unit.index is not None:
                 log(f"dsa-import-matrix: //models:{name} …")
                 measure_row(row, unit, runs=runs, threads=threads)
+                if name in sources and row["measured"] is not None:
+                    log(f"dsa-import-matrix: //models:{name}: dsa compile (import→vmfb) …")
+                    with tempfile.TemporaryDirectory(prefix="dsa-import-matrix-import-") as tmp:
+                        try:
+                            row["measured"].update(measure_import(sources[name], bin_dir,
+                                                                  workspace or bin_dir, Path(tmp),
+                                                                  f"//models:{name}"))
+                        except DsaError as e:
+                            row["notes"].append(f"import→vmfb: {e}")
             rows.append(row)
     return rows
 
@@ -452,6 +487,15 @@ def fmt_ms(ms: float) -> str:
         else f"{ms:.3f} ms"
 
 
+def fmt_import(measured: dict) -> str:
+    """`dsa compile`'s wall time and its largest stage peak RSS: "112 s, 4.9 GiB (export)"."""
+    if "import_s" not in measured:
+        return NOT_MEASURED
+    peak = measured["import_peak_rss_kib"] / 1024
+    peak_text = f"{peak / 1024:.1f} GiB" if peak >= 1024 else f"{peak:.0f} MiB"
+    return f"{measured['import_s']:.0f} s, {peak_text} ({measured['import_peak_stage']})"
+
+
 def _check(ok: bool) -> str:
     return "✓" if ok else "✗"
 
@@ -476,13 +520,14 @@ def row_cells(row: dict) -> List[str]:
     if row["compile"] and row["modules"] > 1:
         compile_cell += f" ({row['modules']} modules)"
     if not row["compile"]:
-        timing = [MISSING, MISSING, MISSING]
+        timing = [MISSING] * 4
     elif measured:
         timing = [f"{measured['compile_s']:.1f} s" if "compile_s" in measured else "failed",
                   f"{measured['peak_rss_kib'] / 1024:.0f} MiB" if "peak_rss_kib" in measured else "failed",
+                  fmt_import(measured),
                   fmt_ms(measured["latency_ms"]) if "latency_ms" in measured else "failed"]
     else:
-        timing = [NOT_MEASURED] * 3
+        timing = [NOT_MEASURED] * 4
     measured_on = MISSING
     if measured:
         measured_on = measured["module"] + (f" ({measured['inputs']})" if measured.get("inputs") else "")
@@ -492,8 +537,9 @@ def row_cells(row: dict) -> List[str]:
 
 
 HEADER = ["model", "export", "compile", "parity", "vmfb", "irpa", "MLIR", "params", "compile time", "peak RSS",
-          "latency (median)", "measured on"]
-_RIGHT = {"vmfb", "irpa", "MLIR", "params", "compile time", "peak RSS", "latency (median)"}
+          "import→vmfb (peak RSS)", "latency (median)", "measured on"]
+_RIGHT = {"vmfb", "irpa", "MLIR", "params", "compile time", "peak RSS", "import→vmfb (peak RSS)",
+          "latency (median)"}
 
 
 def render_table(data: dict) -> str:
@@ -507,7 +553,9 @@ def render_table(data: dict) -> str:
                f"({machine['threads']} threads, target {data['target'] or MISSING}); ")
     if data["measure"]:
         caption += (f"latency: median of {data['runs']} `iree-benchmark-module` calls of the measured module; "
-                    "compile time and peak RSS: `iree-compile` re-run on its MLIR with its build flags.")
+                    "compile time and peak RSS: `iree-compile` re-run on its MLIR with its build flags; "
+                    "import→vmfb: `dsa compile` of the model from its manifest and checkpoint, with the largest "
+                    "peak RSS of its stages and the stage.")
     else:
         caption += "rendered from build and test outputs only (`--no-measure`)."
     lines += ["", caption]
@@ -547,6 +595,11 @@ def render_document(data: dict) -> str:
         "flags of its compile report, as a child process; peak RSS is its `wait4` rusage `ru_maxrss` (MiB; it "
         "includes the ~7 MB that the small launcher process forking it had resident). Wall time on a machine "
         "that may be shared: a rough figure, not a benchmark.",
+        "* **import→vmfb (peak RSS)**: `dsa compile` of the model from the same manifest, checkpoint (and LeRobot "
+        "policy config) as its build, in its own Python environment, into a scratch directory: the whole run's "
+        "wall time (export, parameter archive, bucket exports, compiles for every target the manifest lists), "
+        "and the largest peak RSS among its stages, each a process of its own (`timings.json`), with that "
+        "stage. Not measured with `--no-import`.",
         "* **latency (median)**: `iree-benchmark-module` on the built vmfb and parameter archive: one untimed "
         "call, then the median of single-call repetitions; inputs from `dsa.runtime.policy.sample_inputs` (seed 0) "
         "with the sizes in **measured on** (dynamic dims at their smallest size, bucketed inputs at the "
@@ -659,6 +712,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--no-measure", action="store_true",
                         help="render from build and test outputs only: no compile re-run, no benchmark")
     parser.add_argument("--runs", type=int, default=DEFAULT_RUNS, help="timed benchmark repetitions")
+    parser.add_argument("--no-import", action="store_true",
+                        help="do not time `dsa compile` of each model (the import→vmfb column)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--bin", type=Path, help="bazel-bin (default: the runfiles tree under `bazel run`, "
                         "else <workspace>/bazel-bin)")
@@ -691,8 +746,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         else:
             command = shlex.join(["python3", "dsa/tools/import_matrix.py", *args])
         print(f"dsa import-matrix: outputs from {bin_dir}, test results from {testlogs}", flush=True)
-        rows = collect(select_models(a.models, read_models(bin_dir)), bin_dir, testlogs, measure=not a.no_measure, runs=a.runs,
-                       threads=a.threads)
+        rows = collect(select_models(a.models, read_models(bin_dir)), bin_dir, testlogs, measure=not a.no_measure,
+                       runs=a.runs, threads=a.threads, workspace=workspace,
+                       sources=None if a.no_import else read_import_sources(bin_dir))
         targets = sorted({r["target"] for r in rows if r["target"]})
         data = {
             "format": DATA_FORMAT,

@@ -5,6 +5,11 @@
 Runs the same stage functions the Bazel rules run, in the same order: manifest views → export → parameter
 archive → one export per shape bucket → compile for every target the manifest lists → module index. It
 has no cache: every run does all the work (that is what Bazel adds).
+
+Each stage (checkpoint, export, params, each bucket's export, each compile) runs in a process of its own, as
+each Bazel action does (dsa.tools.stage_process): the peak memory is the largest stage's, not their sum, and
+`<out>/timings.json` records each stage's wall time and peak RSS and the whole import→vmfb time (numbers
+that differ run to run: never part of the artifacts or the lock).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -24,7 +31,8 @@ from dsa.core.identity import identity
 from dsa.stages.lock import ModuleFiles, make_lock, stage_source_files
 from dsa.manifest.contract import load_manifest, project
 from dsa.core.formats import Lock, ModuleIndex
-from dsa.stages.params import build_params
+from dsa.stages.params import build_params, check_checkpoint_digest
+from dsa.tools.stage_process import StageRunner
 
 
 def run_pipeline(
@@ -46,6 +54,8 @@ def run_pipeline(
     `tuning` maps a target name to the tuning file to compile it with; a target without one compiles with
     `tuning_dir/<family>.<target>.json` when the manifest names its tuning family, else with the target
     spec's flags only. Every tuning file is checked against its target and the manifest before any export."""
+    started = time.monotonic()
+    stage = _stage_runner()
     known = sorted(p.stem for p in targets_dir.glob("*.json"))
     manifest = load_manifest(manifest_path, known_targets=known)
     name = str(manifest_path)
@@ -62,11 +72,13 @@ def run_pipeline(
         checkpoint = manifest_path.parent / manifest["checkpoint"]["path"]
         if seeded_checkpoint is not None:
             checkpoint = out / "checkpoint.safetensors"
-            make_checkpoint(export_view, checkpoint, seed=seeded_checkpoint, pythonpath=pythonpath)
+            stage("checkpoint", make_checkpoint, export_view, checkpoint, seed=seeded_checkpoint,
+                  pythonpath=pythonpath)
     if not checkpoint.exists():
         raise DsaError(f"{name}: checkpoint.path", f"no checkpoint at {checkpoint}",
                        "pass --checkpoint FILE, or --seeded-checkpoint SEED for a generated stand-in")
 
+    check_checkpoint_digest(checkpoint, params_view, name)  # before the export: it can take minutes
     if policy_config is None and "policy_config" in manifest["model"]:
         # framework lerobot: the policy's config.json, relative to the manifest
         policy_config = manifest_path.parent / manifest["model"]["policy_config"]["path"]
@@ -74,10 +86,9 @@ def run_pipeline(
     sources = {}
     for rel in model_source_files(entry_point, pythonpath):
         sources[rel] = next(str(Path(root) / rel) for root in pythonpath if (Path(root) / rel).exists())
-    record = export_model(export_view, out / "model.mlir", out / "export_record.json",
-                          sources=sources, pythonpath=pythonpath, manifest_name=name,
-                          policy_config=policy_config)
-    build_params(checkpoint, params_view, record, out / "params.irpa", manifest_name=name)
+    record = stage("export", export_model, export_view, out / "model.mlir", out / "export_record.json",
+                   sources=sources, pythonpath=pythonpath, manifest_name=name, policy_config=policy_config)
+    stage("params", build_params, checkpoint, params_view, record, out / "params.irpa", manifest_name=name)
 
     view_files = {"export": views / "export_view.json", "params": views / "params_view.json",
                   "runtime": out / "runtime_view.json"}
@@ -88,9 +99,9 @@ def run_pipeline(
             bucket = project(manifest, "bucket", bucket=(dim, slot))
             view_files[f"bucket/{dim}_{slot}"] = views / f"{dim}_{slot}.bucket_view.json"
             write_json_atomic(view_files[f"bucket/{dim}_{slot}"], bucket)
-            export_model(export_view, stem.with_suffix(".mlir"), stem.with_suffix(".export_record.json"),
-                         bucket=bucket, reference_record=record, sources=sources, pythonpath=pythonpath,
-                         manifest_name=name, policy_config=policy_config)
+            stage(f"export {dim}_{slot}", export_model, export_view, stem.with_suffix(".mlir"),
+                  stem.with_suffix(".export_record.json"), bucket=bucket, reference_record=record,
+                  sources=sources, pythonpath=pythonpath, manifest_name=name, policy_config=policy_config)
             exported.append((stem.with_suffix(".mlir"), stem.with_suffix(".export_record.json")))
     if not exported:
         exported.append((out / "model.mlir", out / "export_record.json"))
@@ -111,8 +122,9 @@ def run_pipeline(
         for mlir, module_record in exported:
             vmfb = out / target_name / (mlir.stem + ".vmfb")
             report = vmfb.with_suffix(".compile_report.json")
-            compile_module(mlir, compile_view, target, vmfb, report, where=f"{mlir} for target {target_name}",
-                           tuning=read_json(tuning_file) if tuning_file else None)
+            stage(f"compile {mlir.stem} {target_name}", compile_module, mlir, compile_view, target, vmfb, report,
+                  where=f"{mlir} for target {target_name}",
+                  tuning=read_json(tuning_file) if tuning_file else None)
             modules.append({"vmfb": os.path.relpath(vmfb, out), "record": os.path.relpath(module_record, out)})
             module_files.append(ModuleFiles(mlir.stem, mlir, module_record, vmfb, report))
         target_copy = out / target_name / f"{target_name}.json"
@@ -140,7 +152,35 @@ def run_pipeline(
             policy_config=policy_config,
         ))
         indexes.append(index)
+    write_timings(out / "timings.json", stage.timings, time.monotonic() - started)
     return indexes
+
+
+def _stage_runner():
+    """A StageRunner that says what each stage took as it finishes (on stderr)."""
+    runner = StageRunner()
+
+    def run(name, fn, *args, **kwargs):
+        result = runner(name, fn, *args, **kwargs)
+        t = runner.timings[-1]
+        print(f"dsa compile: {name}: {t.wall_s:.1f} s, peak RSS {t.peak_rss_kib / 1024:.0f} MiB", file=sys.stderr)
+        return result
+
+    run.timings = runner.timings
+    return run
+
+
+def write_timings(path: Path, timings, total_s: float) -> None:
+    """`timings.json`: each stage's wall time and peak RSS (its process and what it ran), the whole run's
+    wall time (import→vmfb) and the largest peak with its stage."""
+    peak = max(timings, key=lambda t: t.peak_rss_kib)
+    write_json_atomic(path, {
+        "stages": [{"stage": t.stage, "wall_s": round(t.wall_s, 3), "peak_rss_kib": t.peak_rss_kib}
+                   for t in timings],
+        "total_s": round(total_s, 3),
+        "peak_rss_kib": peak.peak_rss_kib,
+        "peak_stage": peak.stage,
+    })
 
 
 # The checkout this module runs from (holds toolchains/ and requirements_lock.txt).

@@ -546,13 +546,16 @@ def profile_model(
     pythonpath: Sequence[str] = (".",),
     rewrites: Optional[Sequence[str]] = None,
     keep_dir: Optional[Union[str, Path]] = None,
+    policy_config: Optional[Union[str, Path]] = None,
 ) -> dict:
     """Traces, compiles and profiles the manifest's model for a target; returns the profile (see
     `format_profile`). `checkpoint_or_params`: a .safetensors checkpoint (checked against the manifest's pin
     and turned into a parameter archive) or a built .irpa. `bucket`: "dim=size" (default: the manifest's
     smallest bucket). `tuning_flags`: extra iree-compile flags, after the build's; `tuning`: a tuning file
     (toolchains/tuning/...json) as the build applies it. `rewrites`: the graph rewrites to trace with
-    (None: the manifest's). `keep_dir`: keep the MLIR, executable sources, .vmfb and profile there."""
+    (None: the manifest's). `keep_dir`: keep the MLIR, executable sources, .vmfb and profile there.
+    `policy_config`: framework lerobot, the policy's config.json (default: the manifest's
+    model.policy_config.path, relative to the manifest)."""
     from dsa.stages.compile import compile_flags, run_iree_compile
     from dsa.stages.export import PARAMETER_SCOPE, check_supported_ops, trace_model
     from dsa.core.fileio import read_json, sha256_file
@@ -573,6 +576,11 @@ def profile_model(
     if weights.suffix not in (".irpa", ".safetensors"):
         raise DsaError(str(weights), "is neither a .safetensors checkpoint nor an .irpa parameter archive")
     view = project(manifest, "export")
+    if policy_config is None and "policy_config" in manifest["model"]:
+        policy_config = manifest_path.parent / manifest["model"]["policy_config"]["path"]
+    if policy_config is not None and not Path(policy_config).is_file():
+        raise DsaError(f"{name}: model.policy_config.path", f"no policy config.json at {policy_config}",
+                       "pass the policy directory's config.json with --policy-config")
     bucket_view = _parse_bucket(bucket, manifest, name)
     compile_view, note = _compile_view(manifest, target, name)
     where = f"{name} for target {target.get('name')}"
@@ -585,7 +593,7 @@ def profile_model(
         work.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
         traced = trace_model(view, bucket=bucket_view, pythonpath=list(pythonpath), manifest_name=name,
-                             rewrites=rewrites)
+                             rewrites=rewrites, policy_config=policy_config)
         nodes = annotate_locations(traced.exported, traced.module)
         from iree.turbine import aot
 
@@ -756,7 +764,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     weights.add_argument("--checkpoint", type=Path, help="the model's .safetensors checkpoint")
     weights.add_argument("--params", type=Path, help="a built parameter archive (.irpa)")
     parser.add_argument("--target", required=True, type=Path, help="target spec (toolchains/targets/NAME.json)")
-    parser.add_argument("--tuning", type=Path, help="tuning file (toolchains/tuning/<family>.<target>.json)")
+    parser.add_argument("--tuning", type=Path, help="tuning file (toolchains/tuning/<family>.<target>.json; "
+                        "default: the manifest's tuning family's file for the target)")
+    parser.add_argument("--policy-config", type=Path, help="framework lerobot: the policy's config.json (default: "
+                        "model.policy_config.path, relative to the manifest)")
     parser.add_argument("--extra-flag", action="append", default=[], metavar="FLAG",
                         help="iree-compile flag after the build's, as --extra-flag=--iree-opt-level=O3 "
                              "(or put flags after `--`)")
@@ -792,7 +803,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         a.manifest, a.checkpoint or a.params, a.target, bucket=a.bucket, steps=a.steps, top=a.top,
         tuning_flags=a.extra_flag + passthrough, runs=a.runs, inputs=dict(a.input),
         tuning=read_json(tuning) if tuning else None, pythonpath=a.pythonpath or ["."], keep_dir=a.keep,
-        rewrites=rewrites)
+        rewrites=rewrites, policy_config=a.policy_config)
     print(format_profile(result))
     if a.json:
         write_json_atomic(a.json, result)

@@ -13,6 +13,8 @@ load(":vmfb.bzl", "dsa_vmfb")
 # The tag dsa_policy puts on the dsa_vmfb it makes; dsa_policies finds the package's policies by it.
 POLICY_TAG = "dsa_policy"
 _TEST_TAG = "dsa_parity_test="
+# On the dsa_vmfb of a policy built for a further target (`more_targets`): the policy it is a build of.
+_BUILD_OF_TAG = "dsa_policy_build_of="
 
 # The LeRobot environment and front end: what every `framework: lerobot` model's export needs.
 _LEROBOT_ENV = "@dsa_lerobot_python//:env"
@@ -33,6 +35,7 @@ def dsa_policy(
         policy_config = None,
         bucket = None,
         tuning = None,
+        more_targets = {},
         python_env = None,
         parity_test = None,
         tags = [],
@@ -45,7 +48,9 @@ def dsa_policy(
         `lerobot_config`: `<name>_policy/config.json` + `model.safetensors`, seeded); else `<name>_checkpoint`
         (dsa_checkpoint, seeded stand-in weights written to `<name>.safetensors`);
       * `<name>_model` (dsa_model), `<name>_buckets` (dsa_bucket, when `bucket` is given) and `<name>`
-        (dsa_vmfb, tagged "dsa_policy" so that dsa_policies and the tools find it).
+        (dsa_vmfb, tagged "dsa_policy" so that dsa_policies and the tools find it);
+      * for each of `more_targets`, `<name>_<target name>`: the same exports compiled for that target (a
+        dsa_vmfb of its own: its modules, index and lock), found by the tools like `<name>`.
 
     Args:
       name: the policy's name: the dsa_vmfb target, and the prefix of the targets it makes.
@@ -62,6 +67,9 @@ def dsa_policy(
       policy_config: a trained LeRobot policy's config.json (with `checkpoint`, its model.safetensors).
       bucket: `{"dim": DIM, "count": N}`: one module per size of the manifest's `buckets.DIM` list.
       tuning: the measured tuning file of the model's family for `target` (toolchains/tuning).
+      more_targets: {dsa_target label: its tuning file label, or None}: further targets to build the same
+        exports for, e.g. an AVX-512 build beside a portable x86-64-v3 `target`. Each must be among the
+        manifest's `targets`; a runner refuses a build its machine cannot execute (the target spec's `host`).
       python_env: the dsa_python_env to export in; LeRobot policies default to @dsa_lerobot_python.
       parity_test: the label of the test that checks the compiled policy against eager (the import matrix
         reports its result).
@@ -115,25 +123,41 @@ def dsa_policy(
     if bucket != None:
         dsa_bucket(name = name + "_buckets", count = bucket["count"], dim = bucket["dim"], model = src, tags = tags, **common)
         src = ":%s_buckets" % name
+    test_tags = [_TEST_TAG + parity_test] if parity_test else []
     dsa_vmfb(
         name = name,
         src = src,
         target = target,
         tuning = tuning,
-        tags = tags + [POLICY_TAG] + ([_TEST_TAG + parity_test] if parity_test else []),
+        tags = tags + [POLICY_TAG] + test_tags,
         **common
     )
+    for more, more_tuning in more_targets.items():
+        dsa_vmfb(
+            name = "%s_%s" % (name, more.rpartition(":")[2]),
+            src = src,
+            target = more,
+            tuning = more_tuning,
+            tags = tags + [POLICY_TAG, _BUILD_OF_TAG + name] + test_tags,
+            **common
+        )
 
 def _index_impl(ctx):
     rows = []
     for policy, test in zip(ctx.attr.policies, ctx.attr.tests):
-        config = policy[DsaModuleInfo].model.policy_config
+        model = policy[DsaModuleInfo].model
+        config = model.policy_config
         rows.append(struct(
             name = policy.label.name,
             label = str(policy.label),
             index = policy[DsaModuleInfo].index.short_path,
             # A LeRobot policy's config.json (its directory also holds model.safetensors), else None.
             policy_config = config.short_path if config else None,
+            # What `dsa compile` needs to build the same model without Bazel (the import matrix times it):
+            # the manifest, the checkpoint, and the interpreter of its environment (None: the toolchain's).
+            manifest = model.manifest.short_path,
+            checkpoint = model.checkpoint.short_path,
+            python = model.python_env.python.short_path if model.python_env else None,
             test = test,
         ))
     pipelines = []
@@ -202,14 +226,16 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
             policies.append(":" + rule_name)
             test = [t[len(_TEST_TAG):] for t in r["tags"] if t.startswith(_TEST_TAG)]
             tests.append(test[0] if test else "")
-            models.append(":%s_model" % rule_name)
-            for dep in rules.get(rule_name + "_model", {}).get("deps", []):
+            # A build for a further target shares the helpers of the policy it is a build of.
+            base = ([t[len(_BUILD_OF_TAG):] for t in r["tags"] if t.startswith(_BUILD_OF_TAG)] + [rule_name])[0]
+            models.append(":%s_model" % base)
+            for dep in rules.get(base + "_model", {}).get("deps", []):
                 code[dep] = True
-            if (rule_name + "_checkpoint") in rules:
-                checkpoints.append(":%s_checkpoint" % rule_name)
-            if (rule_name + "_buckets") in rules:
-                models.append(":%s_buckets" % rule_name)
-            policy_config = rules.get(rule_name + "_model", {}).get("policy_config")
+            if (base + "_checkpoint") in rules:
+                checkpoints.append(":%s_checkpoint" % base)
+            if (base + "_buckets") in rules:
+                models.append(":%s_buckets" % base)
+            policy_config = rules.get(base + "_model", {}).get("policy_config")
             if policy_config:
                 # The policy and its LeRobot policy directory (config.json + model.safetensors).
                 lerobot += [":" + rule_name, policy_config.rpartition("/")[0]]
@@ -229,7 +255,7 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
     )
     _dsa_policy_set(
         name = name,
-        srcs = [":%s_index" % name] + policies + pipelines + models,
+        srcs = [":%s_index" % name] + policies + pipelines + sorted({m: True for m in models}.keys()),
         **kwargs
     )
     _dsa_policy_set(
@@ -244,6 +270,6 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
     )
     native.filegroup(
         name = name + "_checkpoints",
-        srcs = checkpoints,
+        srcs = sorted({c: True for c in checkpoints}.keys()),
         **kwargs
     )

@@ -11,6 +11,7 @@ import pytest
 from dsa.core.errors import DsaError
 
 from dsa.tools import import_matrix as im
+from dsa.tools import measure
 
 
 def _row(model, module=None, *, pipeline=None, export=True, compile=True, parity="passed", modules=1,
@@ -26,7 +27,8 @@ def _row(model, module=None, *, pipeline=None, export=True, compile=True, parity
 
 
 MEASURED = {"module": "prompt_len_0", "compile_s": 16.26, "peak_rss_kib": 210_000, "identical": True,
-            "latency_ms": 23.334, "inputs": "prompt_len=32, steps=10", "vmfb_sha256": "a", "built_sha256": "a"}
+            "latency_ms": 23.334, "inputs": "prompt_len=32, steps=10", "vmfb_sha256": "a", "built_sha256": "a",
+            "import_s": 112.4, "import_peak_rss_kib": 5_125_000, "import_peak_stage": "export"}
 
 DATA = {
     "format": 1, "date": "2026-11-30", "command": "./bazelw run //tools:import_matrix", "measure": True,
@@ -55,7 +57,8 @@ def test_table_keeps_row_order_and_formats_units():
         "`pi0`", "`act`", "`openvla`", "`groot › backbone`", "`groot › head`"]
     pi0 = [c.strip() for c in rows[0].split("|")[1:-1]]
     assert pi0 == ["`pi0`", "✓", "✓ (3 modules)", "✓ 4 passed", "564.0 kB", "9.49 MB", "187.4 kB", "2.36 M",
-                   "16.3 s", "205 MiB", "23.33 ms", "prompt_len_0 (prompt_len=32, steps=10)"]
+                   "16.3 s", "205 MiB", "112 s, 4.9 GiB (export)", "23.33 ms",
+                   "prompt_len_0 (prompt_len=32, steps=10)"]
     assert "1234 ms" in rows[1] or "1235 ms" in rows[1]
     assert table.splitlines()[0].startswith("| model | export | compile | parity | vmfb | irpa | MLIR |")
 
@@ -66,9 +69,9 @@ def test_missing_cells_are_crosses_and_not_run():
     assert act[3] == "✗ 1 of 4 failed"
     openvla = [c.strip() for c in rows[2].split("|")[1:-1]]
     assert openvla[1:4] == ["✗", "✗", "not run"]
-    assert openvla[4:] == [im.MISSING] * 8
+    assert openvla[4:] == [im.MISSING] * 9
     backbone = [c.strip() for c in rows[3].split("|")[1:-1]]  # compiled, not measured
-    assert backbone[8:11] == [im.NOT_MEASURED] * 3
+    assert backbone[8:12] == [im.NOT_MEASURED] * 4
 
 
 def test_byte_mismatch_is_loud():
@@ -88,6 +91,33 @@ def test_rendering_is_a_pure_function_of_the_data():
     assert "Test CPU" in doc and "2026-11-30" in doc and "./bazelw run //tools:import_matrix" in doc
     unmeasured = dict(DATA, measure=False)
     assert "--no-measure" in im.render_table(unmeasured)
+
+
+def test_import_cell_says_time_peak_and_stage_or_not_measured():
+    assert im.fmt_import({"import_s": 41.6, "import_peak_rss_kib": 600 * 1024, "import_peak_stage": "params"}) == \
+        "42 s, 600 MiB (params)"
+    assert im.fmt_import({"compile_s": 1.0}) == im.NOT_MEASURED  # --no-import, or dsa compile failed (a note)
+
+
+def test_import_command_builds_the_policy_from_its_build_inputs_in_its_own_environment(tmp_path):
+    runfiles = tmp_path / "bench.runfiles" / "_main"
+    for rel in ["toolchains/targets", "toolchains/tuning"]:
+        (runfiles / rel).mkdir(parents=True)
+    python = tmp_path / "bench.runfiles" / "dsa_lerobot_python" / "bin" / "python3"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    source = {"name": "act", "manifest": "manifests/act.yaml", "checkpoint": "models/act_policy/model.safetensors",
+              "policy_config": "models/act_policy/config.json", "python": "../dsa_lerobot_python/bin/python3"}
+    cmd = im.import_command(source, tmp_path / "out", runfiles, tmp_path / "ws")
+    assert cmd[:4] == [str(python), "-m", "dsa", "compile"]
+    flags = dict(zip(cmd[4::2], cmd[5::2]))
+    assert flags == {"--manifest": str(runfiles / "manifests/act.yaml"), "--out": str(tmp_path / "out"),
+                     "--checkpoint": str(runfiles / "models/act_policy/model.safetensors"),
+                     "--targets-dir": str(runfiles / "toolchains/targets"),
+                     "--tuning-dir": str(runfiles / "toolchains/tuning"), "--pythonpath": str(runfiles),
+                     "--policy-config": str(runfiles / "models/act_policy/config.json")}
+    plain = im.import_command(dict(source, python=None, policy_config=None), tmp_path / "o", runfiles, tmp_path)
+    assert plain[0] == sys.executable and "--policy-config" not in plain
 
 
 def test_fmt_bytes_units():
@@ -181,8 +211,8 @@ def test_peak_rss_of_a_child_from_wait4():
     ballast[::4096] = b"x" * len(ballast[::4096])
     # A child that touches ~64 MiB: its ru_maxrss (KiB) is at least that, and far below a GiB.
     code = "b = bytearray(64 * 1024 * 1024); b[::4096] = b'x' * len(b[::4096])"
-    big = im.run_measured([sys.executable, "-c", code])
-    small = im.run_measured([sys.executable, "-c", "pass"])
+    big = measure.run_measured([sys.executable, "-c", code])
+    small = measure.run_measured([sys.executable, "-c", "pass"])
     assert big["returncode"] == 0 and small["returncode"] == 0
     assert big["peak_rss_kib"] >= 64 * 1024
     assert big["peak_rss_kib"] > small["peak_rss_kib"] + 32 * 1024
@@ -193,7 +223,7 @@ def test_peak_rss_of_a_child_from_wait4():
 
 
 def test_failing_child_reports_status_and_stderr():
-    result = im.run_measured([sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"])
+    result = measure.run_measured([sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"])
     assert result["returncode"] == 3
     assert "boom" in result["stderr"]
 

@@ -40,6 +40,15 @@ def test_dsa_compile_matches_bazel_build_byte_for_byte(tmp_path):
     ours_lock, bazel_lock = tmp_path / "x86_64-v3.lock.json", runfile("models/pi0.lock.json")
     assert read_json(ours_lock) == read_json(bazel_lock)
     assert sha256_file(ours_lock) == sha256_file(bazel_lock)
+    # Each stage ran in a process of its own, measured: timings.json beside the artifacts (not in the lock).
+    timings = read_json(tmp_path / "timings.json")
+    stages = [t["stage"] for t in timings["stages"]]
+    assert stages[:3] == ["checkpoint", "export", "params"]
+    assert stages[3:] == [f"export prompt_len_{i}" for i in range(3)] + \
+        [f"compile prompt_len_{i} x86_64-v3" for i in range(3)]
+    assert all(t["wall_s"] > 0 and t["peak_rss_kib"] > 50 * 1024 for t in timings["stages"])
+    assert timings["total_s"] >= sum(t["wall_s"] for t in timings["stages"])
+    assert timings["peak_rss_kib"] == max(t["peak_rss_kib"] for t in timings["stages"])
 
 
 @pytest.fixture
@@ -82,3 +91,14 @@ def test_dsa_compile_refuses_a_wrong_tuning_before_exporting(tmp_path):
                      pythonpath=[str(runfile("."))], requirements_lock=runfile("requirements_lock.txt"),
                      tuning={"x86_64-v3": TUNING / "transformer.x86_64-v3.json"}, tuning_dir=TUNING)
     assert not out.exists()
+
+
+def test_a_checkpoint_the_manifest_does_not_pin_is_refused_before_exporting(tmp_path):
+    wrong = tmp_path / "wrong.safetensors"
+    wrong.write_bytes(runfile("models/pi0.safetensors").read_bytes()[:-1] + b" ")
+    out = tmp_path / "out"
+    with pytest.raises(DsaError, match=r"pi0.yaml: checkpoint.sha256: checkpoint .*wrong.safetensors has sha256"):
+        run_pipeline(runfile("manifests/pi0.yaml"), out, targets_dir=TARGETS, checkpoint=wrong,
+                     pythonpath=[str(runfile("."))], requirements_lock=runfile("requirements_lock.txt"),
+                     tuning_dir=TUNING)
+    assert not (out / "model.mlir").exists() and not (out / "export_record.json").exists()

@@ -1,0 +1,76 @@
+"""dsa.tools.stage_process: a stage runs in a child process of its own, whose result, DsaError, crash or death
+comes back to the caller, with the child's own wall time and peak RSS."""
+
+import os
+import signal
+
+import pytest
+
+from dsa.core.errors import DsaError
+from dsa.tools.stage_process import StageRunner
+
+
+def add(a, b, *, scale=1):
+    return {"sum": (a + b) * scale, "pid": os.getpid()}
+
+
+def allocate(mib):
+    block = bytearray(mib * 1024 * 1024)
+    for i in range(0, len(block), 4096):  # touch every page: resident, not just reserved
+        block[i] = 1
+    return len(block)
+
+
+def refuse():
+    raise DsaError("model.yaml: inputs.state", "dim must be positive", "set it to the state's width")
+
+
+def crash():
+    return {}["missing"]
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_stage_runs_in_another_process_and_returns_its_result():
+    runner = StageRunner()
+    result = runner("add", add, 2, 3, scale=10)
+    assert result["sum"] == 50
+    assert result["pid"] != os.getpid()
+    [timing] = runner.timings
+    assert timing.stage == "add" and timing.wall_s > 0 and timing.peak_rss_kib > 0
+
+
+def test_the_peak_rss_is_the_stages_own_not_the_callers():
+    runner = StageRunner()
+    runner("small", allocate, 1)
+    runner("large", allocate, 300)
+    small, large = runner.timings
+    assert large.peak_rss_kib - small.peak_rss_kib >= 290 * 1024
+    ballast = bytearray(400 * 1024 * 1024)  # noqa: F841 — the caller's own memory is not counted
+    for i in range(0, len(ballast), 4096):
+        ballast[i] = 1
+    runner("small again", allocate, 1)
+    assert runner.timings[-1].peak_rss_kib < small.peak_rss_kib + 50 * 1024
+
+
+def test_a_dsa_error_in_the_stage_comes_back_unchanged():
+    with pytest.raises(DsaError) as e:
+        StageRunner()("validate", refuse)
+    assert (e.value.where, e.value.message, e.value.hint) == \
+        ("model.yaml: inputs.state", "dim must be positive", "set it to the state's width")
+
+
+def test_an_unexpected_exception_names_the_stage_and_shows_the_childs_traceback():
+    with pytest.raises(DsaError, match=r"dsa compile: export: KeyError: 'missing'") as e:
+        StageRunner()("export", crash)
+    assert "Traceback" in e.value.hint and 'return {}["missing"]' in e.value.hint
+
+
+def test_a_stage_killed_by_a_signal_says_so_and_suggests_memory():
+    runner = StageRunner()
+    with pytest.raises(DsaError, match=r"dsa compile: params: the stage's process was killed by SIGKILL "
+                                       r"before it finished \(SIGKILL usually means out of memory"):
+        runner("params", die)
+    assert [t.stage for t in runner.timings] == ["params"]
