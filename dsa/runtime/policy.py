@@ -23,6 +23,7 @@ import numpy as np
 
 from dsa.core.errors import DsaError
 from dsa.core.fileio import read_json
+from dsa.runtime.host import check_host
 
 from dsa.core.formats import INDEX_FORMAT, PARAMETER_METADATA_PREFIX, ExportRecord, ModuleIndex  # noqa: F401 (re-exported)
 
@@ -69,6 +70,8 @@ class CompiledPolicy:
         base = index_path.parent
         self.index = index
         self.target_spec = read_json(base / index["target_spec"])
+        # Before any module is loaded: code for a CPU this machine lacks would die of SIGILL, not fail.
+        check_host(self.target_spec, str(index_path))
         self.driver = driver or self.target_spec["runtime_driver"]
         self.modules = [Module(ExportRecord.read(base / m["record"]), base / m["vmfb"]) for m in index["modules"]]
         self.model_id = self.modules[0].record["model_id"]

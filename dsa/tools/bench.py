@@ -110,11 +110,17 @@ def cpu_model() -> str:
     return _cpuinfo("model name") or platform.processor() or "unknown"
 
 
-def best_target(flags: Sequence[str]) -> str:
-    """The most capable shipped CPU target this machine runs (x86-64-v4 needs AVX-512 F/BW/CD/DQ/VL)."""
-    if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= set(flags):
-        return "x86_64-v4"
-    return "x86_64-v3"
+def best_target(flags: Sequence[str], targets_dir: Path, arch: Optional[str] = None) -> str:
+    """The most capable target of `targets_dir` (the one needing the most CPU features) that a CPU of `arch`
+    (default: this machine's) with `flags` runs, by each spec's `host` requirements (dsa.runtime.host)."""
+    from dsa.runtime.host import host_arch, missing_for
+
+    specs = [read_json(p) for p in sorted(targets_dir.glob("*.json"))]
+    fitting = [s for s in specs if s.get("host") and missing_for(s, arch or host_arch(), flags) is None]
+    if not fitting:
+        raise DsaError(str(targets_dir), "no target spec fits this machine's CPU",
+                       "pass --target NAME, or add a target for this CPU (docs/architecture.md)")
+    return max(fitting, key=lambda s: (len(s["host"].get("cpu_features", [])), s["name"]))["name"]
 
 
 def machine_info(threads: int) -> dict:
@@ -614,6 +620,17 @@ def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: 
     }
 
 
+def not_runnable(index: Path) -> Optional[dict]:
+    """{"target", "not_run": why} for a module index whose target this machine cannot execute (an AVX-512
+    build on an AVX2 CPU), else None."""
+    from dsa.core.formats import ModuleIndex
+    from dsa.runtime.host import host_arch, host_cpu_features, missing_for
+
+    spec = read_json(index.parent / ModuleIndex.read(index).target_spec)
+    why = missing_for(spec, host_arch(), host_cpu_features())
+    return None if why is None else {"target": spec["name"], "not_run": why}
+
+
 def run_lerobot_benchmark(root: Path, out: Path, *, models: Optional[Sequence[str]], runs: int, warmup: int,
                           threads: int) -> None:
     """The LeRobot half of `bazel run //bench`, run in the LeRobot environment: writes its rows to `out`."""
@@ -624,6 +641,12 @@ def run_lerobot_benchmark(root: Path, out: Path, *, models: Optional[Sequence[st
     rows = []
     with tempfile.TemporaryDirectory(prefix="dsa-bench-lerobot-") as tmp:
         for policy in policies:
+            not_here = not_runnable(policy.index)
+            if not_here is not None:
+                print(f"dsa-bench: {policy.name} (LeRobot): not run on this machine: {not_here['not_run']}",
+                      flush=True)
+                rows.append(dict(model=policy.name, **not_here))
+                continue
             print(f"dsa-bench: {policy.name} (LeRobot) …", flush=True)
             rows.append(bench_policy(policy, runs=runs, warmup=warmup, threads=threads, work=Path(tmp)))
     write_json_atomic(out, {"format": RESULTS_FORMAT, "policies": rows})
@@ -704,6 +727,10 @@ def render_markdown(results: dict) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in results["policies"]:
+            if "not_run" in r:
+                lines.append(f"| {r['model']} | {r['target']} | — | — | — | — | — | — | — | — | — "
+                             f"| not run on this machine: {r['not_run']} |")
+                continue
             rt, g = r["runtimes"], r["goal"]
             ort_ratio = f"{g['vs_onnxruntime']:.2f}" if "vs_onnxruntime" in g else "—"
             lines.append(
@@ -782,7 +809,7 @@ def render_chart(results: dict, path: Path) -> None:
     rows = [(f"{r['model']}\n{row['case']}", row["runtimes"]) for r in results["models"] for row in r["cases"]]
     # A LeRobot policy's shipped module is its tuned vmfb (it has no default/rewrites variants).
     rows += [(f"{r['model']}\n{r['case']}", dict(r["runtimes"], **{"vmfb:tuned": r["runtimes"]["vmfb"]}))
-             for r in results.get("policies", [])]
+             for r in results.get("policies", []) if "runtimes" in r]
     for label, runtimes in rows:
         labels.append(label)
         for key, _ in keys:
@@ -837,7 +864,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if a.runs < 30:
         print(f"dsa-bench: note: {a.runs} runs per measurement (the published tables use >= 30)")
     out_dir = a.out_dir or workspace_root() / "bench"
-    target = best_target(cpu_flags()) if a.target == "auto" else a.target
+    target = best_target(cpu_flags(), root / "toolchains" / "targets") if a.target == "auto" else a.target
     if not (root / "toolchains" / "targets" / f"{target}.json").exists():
         raise DsaError("--target", f"unknown target '{target}'",
                        f"choose one of {sorted(p.stem for p in (root / 'toolchains' / 'targets').glob('*.json'))}")

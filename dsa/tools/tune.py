@@ -203,7 +203,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     a = parser.parse_args(argv)
     root = a.root or Path(os.path.abspath(__file__)).parents[2]
     write_root = bench.workspace_root() if a.root is None else a.root
-    target = bench.best_target(bench.cpu_flags()) if a.target == "auto" else a.target
+    target = bench.best_target(bench.cpu_flags(), root / "toolchains" / "targets") if a.target == "auto" else a.target
     bench.set_iree_threads(a.threads)
     with tempfile.TemporaryDirectory(prefix="dsa-tune-") as tmp:
         tune(a.models, root=root, target_name=target, runs=a.runs, warmup=a.warmup, threads=a.threads,

@@ -1,8 +1,13 @@
 """ACT through LeRobot: the compiled module matches eager LeRobot (`ACTPolicy.from_pretrained` on the same
 policy directory, `predict_action_chunk`) at each batch size: batch is bucketed (manifests/act.yaml
-`buckets.batch: [1, 4]`, static modules for x86_64-v4, the shape IREE's convolution data tiling needs);
-a batch between buckets is padded up and the actions cut back to it. The modules read exactly the tensors
-of LeRobot's model.safetensors.
+`buckets.batch: [1, 4]`, static modules, the shape IREE's convolution data tiling needs); a batch between
+buckets is padded up and the actions cut back to it. The modules read exactly the tensors of LeRobot's
+model.safetensors.
+
+Two builds of the same exports: //models:act for x86_64-v3 (runs on any AVX2 CPU) and
+//models:act_x86_64-v4 (AVX-512). Each build is checked where this machine can run it; where it cannot, the
+check is that loading it is refused with a message naming the target and the missing CPU features (a module
+for a CPU the host lacks would otherwise kill the process with SIGILL).
 
 Tolerance: |vmfb - eager| <= 1e-4 * max(1, max|eager|). Both sides run fp32; IREE reorders the reductions of
 the ResNet-18 backbone and the 4+1-layer transformer: measured ~2e-6 absolute on actions of magnitude ~1.
@@ -14,18 +19,38 @@ import pytest
 from safetensors import safe_open
 
 from dsa.core.errors import DsaError
+from dsa.core.fileio import read_json
 from dsa.frontends.lerobot import reference_actions
-from dsa.runtime.policy import CompiledPolicy, sample_inputs
+from dsa.runtime.host import runs_here
+from dsa.runtime.policy import CompiledPolicy, ModuleIndex, sample_inputs
 from dsa.tools.testing import runfile
 
-INDEX = runfile("models/act.modules.json")
+BUILDS = {"x86_64-v3": runfile("models/act.modules.json"), "x86_64-v4": runfile("models/act_x86_64-v4.modules.json")}
 POLICY_DIR = runfile("models/act_policy/config.json").parent
 REL_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def policy():
-    return CompiledPolicy(INDEX)
+def _spec(index):
+    return read_json(index.parent / ModuleIndex.read(index).target_spec)
+
+
+RUNNABLE = [t for t, index in BUILDS.items() if runs_here(_spec(index))]
+
+
+@pytest.fixture(scope="module", params=RUNNABLE)
+def policy(request):
+    return CompiledPolicy(BUILDS[request.param])
+
+
+def test_the_portable_build_runs_on_every_x86_64_machine():
+    assert "x86_64-v3" in RUNNABLE
+
+
+@pytest.mark.parametrize("target", sorted(set(BUILDS) - set(RUNNABLE)))
+def test_a_build_this_cpu_cannot_execute_is_refused_before_loading(target):
+    with pytest.raises(DsaError, match=rf"compiled for target '{target}' and cannot run on this machine: it needs "
+                                       r"the CPU features avx512"):
+        CompiledPolicy(BUILDS[target])
 
 
 @pytest.mark.parametrize("batch", [1, 3, 4])

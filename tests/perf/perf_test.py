@@ -33,10 +33,17 @@ def test_parity_flags_an_output_outside_the_bound():
     assert not bench.parity(np.zeros((2, 2)), ref)["ok"]  # wrong shape never passes
 
 
-def test_best_target_needs_every_avx512_subset_of_x86_64_v4():
-    assert bench.best_target(["avx2", "fma"]) == "x86_64-v3"
-    assert bench.best_target(["avx512f", "avx512bw", "avx512cd", "avx512dq"]) == "x86_64-v3"
-    assert bench.best_target(["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]) == "x86_64-v4"
+def test_best_target_is_the_most_capable_spec_the_cpu_satisfies():
+    v3_flags = V3["host"]["cpu_features"]
+    assert bench.best_target(v3_flags, TARGETS, "x86_64") == "x86_64-v3"
+    assert bench.best_target(v3_flags + ["avx512f", "avx512bw", "avx512cd", "avx512dq"], TARGETS, "x86_64") == \
+        "x86_64-v3"  # x86-64-v4 needs every AVX-512 subset it names
+    assert bench.best_target(v3_flags + ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"], TARGETS,
+                             "x86_64") == "x86_64-v4"
+    with pytest.raises(DsaError, match="no target spec fits this machine's CPU"):
+        bench.best_target(["avx2", "fma"], TARGETS, "x86_64")  # below x86-64-v3
+    with pytest.raises(DsaError, match="no target spec fits"):
+        bench.best_target(v3_flags, TARGETS, "aarch64")
 
 
 def _row(case, eager, tuned, ort=None):

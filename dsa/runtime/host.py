@@ -1,0 +1,69 @@
+"""Whether this machine can run a target's modules: its architecture and the CPU features the target needs.
+
+A module compiled for a CPU the host lacks does not fail politely: IREE loads it and the first AVX-512
+instruction kills the process with SIGILL. A target spec therefore names what its code needs
+(`"host": {"arch": "x86_64", "cpu_features": [...]}`, feature names as Linux's /proc/cpuinfo spells them), and
+every runner checks it before it loads a module (`check_host`), with a message that names the target, what
+is missing and what to do.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from dsa.core.errors import DsaError
+
+_CPUINFO = Path("/proc/cpuinfo")
+
+
+def host_arch() -> str:
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def host_cpu_features(cpuinfo: Path = _CPUINFO) -> Optional[List[str]]:
+    """The CPU's feature flags (/proc/cpuinfo `flags`, or `Features` on aarch64), or None where the system does
+    not say (not Linux)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return value.split()
+    return None
+
+
+def missing_for(spec: dict, arch: str, features: Optional[Sequence[str]]) -> Optional[str]:
+    """Why a host of `arch` with `features` cannot run `spec`'s modules, or None when it can (or when the spec
+    states no requirement, or the host's features are unknown and the arch matches)."""
+    needs = spec.get("host")
+    if not needs:
+        return None
+    if needs.get("arch") and needs["arch"] != arch:
+        return f"its code is for {needs['arch']} CPUs and this machine is {arch}"
+    if features is None:
+        return None
+    lacking = sorted(set(needs.get("cpu_features", [])) - set(features))
+    if lacking:
+        return f"it needs the CPU features {', '.join(lacking)}, which this CPU lacks"
+    return None
+
+
+def runs_here(spec: dict) -> bool:
+    return missing_for(spec, host_arch(), host_cpu_features()) is None
+
+
+def check_host(spec: dict, where: str) -> None:
+    """Refuses, before anything is loaded, a target this machine cannot execute."""
+    why = missing_for(spec, host_arch(), host_cpu_features())
+    if why is not None:
+        raise DsaError(
+            where,
+            f"the module is compiled for target '{spec.get('name')}' and cannot run on this machine: {why}",
+            "run a module built for a target this machine supports (the manifest's `targets`; e.g. "
+            "x86_64-v3 for x86-64 CPUs without AVX-512)",
+        )
