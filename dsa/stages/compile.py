@@ -78,14 +78,20 @@ def tuning_flags(tuning: dict, target: dict, where: str) -> List[str]:
     return list(flags)
 
 
+# What quantised weights need (dsa.stages.quant): no constant evaluation or hoisting (either would materialise
+# the float weights at load time: the memory the packing saves, spent again), and aggressive dispatch fusion,
+# under which IREE 3.13 puts the bit-extend dequantisation inside a one-row contraction's dispatch (the matvec
+# of a decode step: the packed weight is read and unpacked in registers). Matmul-producer fusion stays blocked
+# (IREE's CPU default): a many-row contraction with the dequantisation inside ran several times slower than
+# dequantising first.
+QUANT_FLAGS = ["--iree-opt-const-eval=false", "--iree-opt-const-expr-hoisting=false",
+               "--iree-dispatch-creation-enable-aggressive-fusion"]
+
+
 def manifest_flags(view: dict) -> List[str]:
-    """Flags implied by the compile view. Quantised weights must stay packed until the matmul: no constant
-    evaluation or hoisting (which would materialise float weights at load), and the matmul's producers not
-    kept out of its dispatch. (IREE 3.13 llvm-cpu still runs the dequantisation as its own elementwise
-    dispatch: see README, "Weight-only quantisation".)"""
+    """Flags implied by the compile view: QUANT_FLAGS for a quantised model."""
     if view["quant_scheme"]["kind"] in ("int8", "int4"):
-        return ["--iree-opt-const-eval=false", "--iree-opt-const-expr-hoisting=false",
-                "--iree-dispatch-creation-block-matmul-producer-fusion=false"]
+        return list(QUANT_FLAGS)
     return []
 
 

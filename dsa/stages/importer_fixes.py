@@ -10,6 +10,14 @@ it builds has more iter-args than the body returns and fails verification ("regi
 operands, but region successor needs 2 inputs"). The handler below keeps only `carried_inputs` as loop
 state and passes `additional_inputs` as extra operands of every cond/body call; they are defined outside
 the loop and are visible inside its region.
+
+The MLIR bindings' `isinstance` API for iree-turbine's custom ops
+-----------------------------------------------------------------
+iree-turbine 3.9 expands its custom ops (dsa.stages.quant's fused dequantise-matmuls) with calls such as
+`IntegerType.isinstance(t)`; the MLIR Python bindings of iree-base-compiler 3.13 dropped those static methods
+(Python's own `isinstance` works on their auto-downcast objects), so every custom-op expansion failed with
+"type object 'IntegerType' has no attribute 'isinstance'". `_restore_isinstance` puts back, on exactly the
+classes turbine calls it on, a static method with the old meaning: the object is of the class, or casts to it.
 """
 
 from __future__ import annotations
@@ -85,9 +93,35 @@ def _import_hop_while_loop(self, loc, node, hop):
         self.bind_node_value(node, loop.results[0])
 
 
+# The classes iree-turbine 3.9 calls `.isinstance` on (grep of its sources).
+_TURBINE_ISINSTANCE_CLASSES = ("BlockArgument", "IndexType", "IntegerType", "MemRefType", "OpResult",
+                               "RankedTensorType", "ShapedType", "Type", "VectorType")
+
+
+def _restore_isinstance() -> None:
+    from iree.compiler import ir
+
+    for name in _TURBINE_ISINSTANCE_CLASSES:
+        cls = getattr(ir, name)
+        if hasattr(cls, "isinstance"):
+            continue
+
+        def check(obj, _cls=cls) -> bool:
+            if isinstance(obj, _cls):
+                return True
+            try:
+                _cls(obj)  # the bindings' casting constructor: raises for an object of another kind
+            except (TypeError, ValueError):
+                return False
+            return True
+
+        cls.isinstance = staticmethod(check)
+
+
 def apply() -> None:
     """Installs the corrections (idempotent)."""
     global _APPLIED
     if not _APPLIED:
         _fx.GraphNodeImporter._import_hop_while_loop = _import_hop_while_loop
+        _restore_isinstance()
         _APPLIED = True

@@ -391,6 +391,115 @@ def stem_conv_to_matmul(g: _Graph) -> int:
     return count
 
 
+# -- 3c. conv1d_to_matmul -------------------------------------------------------------------------------
+
+CONV1D_MAX_LENGTH = 64
+
+
+def conv1d_to_matmul(g: _Graph) -> int:
+    """1-D convolution over a short sequence (groups 1, not transposed, kernel > 1, output length ≤
+    CONV1D_MAX_LENGTH, static shapes) ⇒ the kernel's K shifted (strided, dilated) slices of the padded input
+    stacked into [B, Cin*K, L'] columns and one matmul with `weight.reshape(Cout, Cin*K)`, plus bias.
+
+    Why: a temporal U-Net at batch 1 (Diffusion Policy's: 512→2048 channels, kernel 5, horizon 16 → 4)
+    convolves sequences of 4-16 steps; IREE's convolution tiling on llvm-cpu vectorises along that short
+    length and ran its 2048-channel convolutions at ~5 GFLOP/s. As a matmul (M = Cout, N = L', K = Cin*K)
+    data tiling packs the weight once and the ukernel streams it. The columns are K × the input: tiny for
+    short sequences, hence the length limit. Static shapes only (a batch bucket)."""
+    count = 0
+    for node in list(g.graph.nodes):
+        if not _is_plain_conv(node) or _val(node.args[1]).dim() != 3:
+            continue
+        a = _arguments(node)
+        xv = _val(a["input"])
+        if xv.dim() != 3 or a["groups"] != 1 or isinstance(a["padding"], str):
+            continue
+        cout, cin, k = (_static(d) for d in _val(a["weight"]).shape)
+        b_, length = _static(xv.shape[0]), _static(xv.shape[2])
+        if None in (cout, cin, k, b_, length) or k == 1:
+            continue
+        (stride,), (padding,), (dilation,) = ([int(v) for v in a[n]][:1] for n in ("stride", "padding", "dilation"))
+        out_len = (length + 2 * padding - dilation * (k - 1) - 1) // stride + 1
+        if out_len <= 0 or out_len > CONV1D_MAX_LENGTH:
+            continue
+        x, weight, bias = a["input"], a["weight"], a["bias"]
+        with g.graph.inserting_before(node):
+            e = lambda target, *args: g.emit(target, args, node)  # noqa: E731
+            if padding:
+                x = e(aten.constant_pad_nd.default, x, [padding, padding], 0.0)
+            taps = [e(aten.slice.Tensor, x, 2, t * dilation, t * dilation + stride * (out_len - 1) + 1, stride)
+                    for t in range(k)]
+            cols = e(aten.reshape.default, e(aten.stack.default, taps, 2), [b_, cin * k, out_len])
+            out = e(aten.matmul.default, e(aten.reshape.default, weight, [cout, cin * k]), cols)
+            if bias is not None:
+                out = e(aten.add.Tensor, out, e(aten.reshape.default, bias, [cout, 1]))
+        node.replace_all_uses_with(out)
+        _drop_asserts([node], g.graph)
+        g.graph.erase_node(node)
+        count += 1
+    return count
+
+
+def conv_transpose1d_to_matmul(g: _Graph) -> int:
+    """1-D transposed convolution over a short sequence (groups 1, dilation 1, no output padding, output
+    length ≤ CONV1D_MAX_LENGTH, static shapes) ⇒ one matmul of the input's [B, L, Cin] with
+    `weight.reshape(Cin, Cout*K)` (the weight as stored: no per-call transpose or flip), then col2im: tap k
+    of step i lands at output position i*stride + k - padding, summed over the K taps (pads and adds on the
+    [B, Cout, ~stride*L] result).
+
+    Why: Diffusion Policy's U-Net upsamples with ConvTranspose1d(C, C, 4, 2, 1); IREE lowers it to a
+    convolution over a materialised flipped weight (a 16 MB copy per call at 1024 channels) and runs the
+    convolution at the same short-length vectorisation as conv1d_to_matmul's."""
+    count = 0
+    for node in list(g.graph.nodes):
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            continue
+        if node.target is aten.conv_transpose1d.default:
+            a = _arguments(node)
+        elif node.target is aten.convolution.default and _arguments(node)["transposed"]:
+            a = _arguments(node)
+        else:
+            continue
+        xv = _val(a["input"])
+        if xv.dim() != 3 or a["groups"] != 1:
+            continue
+        stride, padding, dilation = (int(a[n][0]) for n in ("stride", "padding", "dilation"))
+        if dilation != 1 or any(int(v) for v in a["output_padding"]):
+            continue
+        cin, cout, k = (_static(d) for d in _val(a["weight"]).shape)
+        b_, length = _static(xv.shape[0]), _static(xv.shape[2])
+        if None in (cin, cout, k, b_, length):
+            continue
+        full = (length - 1) * stride + k
+        out_len = full - 2 * padding
+        if out_len <= 0 or out_len > CONV1D_MAX_LENGTH:
+            continue
+        x, weight, bias = a["input"], a["weight"], a["bias"]
+        with g.graph.inserting_before(node):
+            e = lambda target, *args: g.emit(target, args, node)  # noqa: E731
+            z = e(aten.matmul.default, e(aten.permute.default, x, [0, 2, 1]),
+                  e(aten.reshape.default, weight, [cin, cout * k]))                  # [B, L, Cout*K]
+            z = e(aten.permute.default, e(aten.reshape.default, z, [b_, length, cout, k]), [0, 2, 3, 1])
+            spread = (length - 1) * stride + 1  # tap k's L values, `stride` apart
+            out = None
+            for t in range(k):
+                tap = e(aten.select.int, z, 2, t)                                   # [B, Cout, L]
+                if stride > 1:  # interleave stride-1 zeros after each value
+                    tap = e(aten.constant_pad_nd.default, e(aten.unsqueeze.default, tap, -1), [0, stride - 1], 0.0)
+                    tap = e(aten.slice.Tensor, e(aten.reshape.default, tap, [b_, cout, length * stride]), 2, 0, spread)
+                tap = e(aten.constant_pad_nd.default, tap, [t, full - t - spread], 0.0)  # [B, Cout, full]
+                out = tap if out is None else e(aten.add.Tensor, out, tap)
+            if padding:
+                out = e(aten.slice.Tensor, out, 2, padding, padding + out_len)
+            if bias is not None:
+                out = e(aten.add.Tensor, out, e(aten.reshape.default, bias, [cout, 1]))
+        node.replace_all_uses_with(out)
+        _drop_asserts([node], g.graph)
+        g.graph.erase_node(node)
+        count += 1
+    return count
+
+
 # -- 4. attention_to_sdpa ------------------------------------------------------------------------------
 
 _MATMULS = (aten.matmul.default, aten.bmm.default)
@@ -643,7 +752,7 @@ class Pass:
 PASSES: Dict[str, Pass] = {
     p.__name__: Pass(p.__name__, p)
     for p in (bool_and_to_logical_and, fold_batchnorm, patchify_conv_to_matmul, stem_conv_to_matmul,
-              attention_to_sdpa, decompose_attention)
+              conv1d_to_matmul, conv_transpose1d_to_matmul, attention_to_sdpa, decompose_attention)
 }
 
 # The defaults are chosen for the llvm-cpu targets this release ships (toolchains/targets): there IREE

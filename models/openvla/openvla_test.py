@@ -148,12 +148,12 @@ def test_int4_action_logits_track_fp32_and_first_tokens_agree_far_above_chance(p
 def test_int4_parameter_archive_is_at_least_4x_smaller_than_fp32():
     int4_bytes, fp32_bytes = INT4_PARAMS.stat().st_size, FP32_PARAMS.stat().st_size
     assert fp32_bytes >= 4 * int4_bytes, (fp32_bytes, int4_bytes, fp32_bytes / int4_bytes)
-    # Every nn.Linear weight is stored packed: uint8 [out, in/2] plus float32 scales [out, in/32].
+    # Every nn.Linear weight is stored packed, grouped: uint8 [out, in/32, 16] plus float32 scales [out, in/32].
     record = read_json(INT4_RECORD)
     archive = read_archive_metadata(INT4_PARAMS)
     for name, info in record["quantization"]["tensors"].items():
         out_f, in_f = info["shape"]
-        assert archive[name]["dtype"] == "uint8" and archive[name]["shape"] == [out_f, in_f // 2], name
+        assert archive[name]["dtype"] == "uint8" and archive[name]["shape"] == [out_f, in_f // 32, 16], name
         assert archive[name + "_scale"]["shape"] == [out_f, in_f // 32], name
     assert len(record["quantization"]["tensors"]) == 50  # 2 towers × 9, projector 3, decoder 4 × 7, lm_head
 

@@ -532,7 +532,8 @@ def test_rewritten_program_imports_compiles_and_runs_like_eager(tmp_path):
     # attention_to_sdpa makes one SDPA; decompose_attention (its inverse, later in the order) takes it apart.
     # The 3-channel stem (its batch norm folded first) becomes im2col + matmul.
     assert counts == {"bool_and_to_logical_and": 1, "fold_batchnorm": 1, "patchify_conv_to_matmul": 2,
-                      "stem_conv_to_matmul": 1, "attention_to_sdpa": 1, "decompose_attention": 1}
+                      "stem_conv_to_matmul": 1, "conv1d_to_matmul": 0, "conv_transpose1d_to_matmul": 0,
+                      "attention_to_sdpa": 1, "decompose_attention": 1}
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
