@@ -761,7 +761,7 @@ PASSES: Dict[str, Pass] = {
 # is fast). The others measured faster or equal. Numbers: docs/performance.md, bench/RESULTS.md.
 DEFAULT_PASSES: Tuple[str, ...] = (
     "bool_and_to_logical_and", "fold_batchnorm", "patchify_conv_to_matmul", "stem_conv_to_matmul",
-    "decompose_attention",
+    "conv1d_to_matmul", "conv_transpose1d_to_matmul", "decompose_attention",
 )
 
 

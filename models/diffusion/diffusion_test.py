@@ -1,6 +1,9 @@
 """Diffusion Policy through LeRobot: the compiled modules match eager LeRobot (`DiffusionPolicy.
 from_pretrained` on the same policy directory, `diffusion.generate_actions` with the same initial noise,
 DDIM) — the kept-loop module at several runtime step counts, the unrolled module at its config's 10 steps.
+Batch is bucketed (1 and 4: static modules); a batch of 2 runs the 4-bucket, padded, with the actions cut
+back. In the static modules the 1-D U-Net's convolutions are matmuls (dsa.stages.passes conv1d_to_matmul,
+conv_transpose1d_to_matmul), which is what makes them fast; parity covers the rewritten graph.
 
 Tolerance: |vmfb - eager| <= 1e-4 * max(1, max|eager|). Both sides run fp32; IREE reorders the reductions
 of the ResNet-18 encoder and the 1-D U-Net, and up to 10 denoising steps compound them: measured ~1e-6
@@ -51,14 +54,33 @@ def test_kept_loop_matches_eager_lerobot_at_each_runtime_step_count(kept, steps)
     assert_close(actions, reference_actions(POLICY_DIR, inputs, steps))
 
 
-def test_step_count_is_a_runtime_input_of_one_module(kept):
+def test_step_count_is_a_runtime_input_of_one_module_per_batch_bucket(kept):
     record = kept.modules[0].record
-    assert len(kept.modules) == 1
+    assert [m.bucket["size"] for m in kept.modules] == [1, 4]
     steps = next(s for s in record["inputs"] if s["name"] == "steps")
     assert steps["shape"] == [] and steps["value_range"][0] == 1
     base = observation(record, 1, seed=7)
     outputs = [kept.run(dict(base, steps=np.array(n, dtype=np.int64)))[0][0] for n in (2, 5)]
     assert float(np.abs(outputs[0] - outputs[1]).max()) > 1e-3
+
+
+def test_batch_one_matches_eager_in_its_own_bucket(kept):
+    inputs = observation(kept.modules[0].record, 1, seed=3, steps=10)
+    (actions,), module = kept.run(inputs)
+    assert module.bucket["size"] == 1 and actions.shape == (1, 8, 2)
+    assert_close(actions, reference_actions(POLICY_DIR, inputs, 10))
+
+
+def test_the_unets_convolutions_are_matmuls_in_every_shipped_module(kept, unrolled):
+    """Each of the U-Net's 1-D convolutions (kernel 5 over 4-16 steps) and transposed convolutions is
+    rewritten in the static modules; the unrolled module has one U-Net per step."""
+    for policy in (kept, unrolled):
+        for module in policy.modules:
+            rewrites = module.record["rewrites"]
+            assert rewrites["conv1d_to_matmul"] > 0 and rewrites["conv_transpose1d_to_matmul"] == 2 * (
+                1 if policy is kept else 10), rewrites
+    assert unrolled.modules[0].record["rewrites"]["conv1d_to_matmul"] == \
+        10 * kept.modules[0].record["rewrites"]["conv1d_to_matmul"]
 
 
 def test_kept_loop_is_a_loop_in_the_exported_mlir():

@@ -335,6 +335,80 @@ def test_patchify_takes_a_patch_embedding_before_the_stem_rewrite():
     _assert_matches_eager(module, rewritten, args)
 
 
+# -- conv1d_to_matmul, conv_transpose1d_to_matmul --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "conv,shape",
+    [
+        (nn.Conv1d(32, 48, 5, padding=2), (1, 32, 16)),  # Diffusion Policy's U-Net block (kernel 5, 'same')
+        (nn.Conv1d(16, 24, 3, stride=2, padding=1), (2, 16, 9)),  # its downsampling conv, odd length, batch 2
+        (nn.Conv1d(8, 8, 3, dilation=2, bias=False), (1, 8, 12)),  # dilated, no padding, no bias
+        (nn.Conv1d(8, 4, 4, padding=3, stride=3), (1, 8, 10)),  # stride > 1 with taps the stride skips
+    ],
+    ids=["k5_same", "k3s2_batch2", "k3_dilated_nobias", "k4s3_padded"],
+)
+def test_conv1d_to_matmul_makes_shifted_columns_and_one_matmul_matching_eager(conv, shape):
+    torch.manual_seed(0)
+    module, args = nn.Sequential(conv, nn.Mish()), (torch.randn(*shape),)
+    _, rewritten, count = _rewrite(module, args, "conv1d_to_matmul")
+    assert count == 1
+    targets = _targets(rewritten)
+    assert aten.conv1d.default not in targets and aten.convolution.default not in targets
+    assert aten.matmul.default in targets
+    _assert_matches_eager(module, rewritten, args)
+
+
+@pytest.mark.parametrize(
+    "conv,shape,dims",
+    [(nn.Conv1d(8, 8, 3, padding=1), (2, 8, 16), ({0: torch.export.Dim("batch", min=1, max=64)},)),
+     (nn.Conv1d(8, 8, 3, padding=1), (1, 8, 128), None),  # longer than CONV1D_MAX_LENGTH: columns too big
+     (nn.Conv1d(8, 8, 3, padding=1, groups=2), (1, 8, 16), None),
+     (nn.Conv1d(8, 8, 1), (1, 8, 16), None),  # pointwise: already a matmul for IREE
+     (nn.Conv1d(8, 8, 3, padding="same"), (1, 8, 16), None)],
+    ids=["dynamic_batch", "long_sequence", "grouped", "pointwise", "string_padding"],
+)
+def test_conv1d_to_matmul_leaves_dynamic_long_grouped_and_pointwise_convs_alone(conv, shape, dims):
+    _, rewritten, count = _rewrite(conv, (torch.randn(*shape),), "conv1d_to_matmul", dims)
+    assert count == 0
+    _assert_matches_eager(conv, rewritten, (torch.randn(*shape),))
+
+
+@pytest.mark.parametrize(
+    "conv,shape",
+    [
+        (nn.ConvTranspose1d(32, 32, 4, stride=2, padding=1), (1, 32, 8)),  # Diffusion Policy's upsampling
+        (nn.ConvTranspose1d(16, 8, 3, stride=1, padding=1, bias=False), (2, 16, 5)),
+        (nn.ConvTranspose1d(8, 12, 5, stride=3, padding=0), (1, 8, 4)),  # taps overlap nothing, no padding
+    ],
+    ids=["k4s2p1_unet", "k3s1_nobias_batch2", "k5s3"],
+)
+def test_conv_transpose1d_to_matmul_makes_one_matmul_and_col2im_matching_eager(conv, shape):
+    torch.manual_seed(0)
+    module, args = nn.Sequential(conv, nn.Mish()), (torch.randn(*shape),)
+    _, rewritten, count = _rewrite(module, args, "conv_transpose1d_to_matmul")
+    assert count == 1
+    targets = _targets(rewritten)
+    assert aten.conv_transpose1d.default not in targets and aten.convolution.default not in targets
+    assert aten.matmul.default in targets
+    _assert_matches_eager(module, rewritten, args)
+
+
+@pytest.mark.parametrize(
+    "conv,dims",
+    [(nn.ConvTranspose1d(8, 8, 4, stride=2, padding=1), ({0: torch.export.Dim("batch", min=1, max=64)},)),
+     (nn.ConvTranspose1d(8, 8, 4, stride=2, padding=1, output_padding=1), None),
+     (nn.ConvTranspose1d(8, 8, 3, dilation=2), None),
+     (nn.ConvTranspose1d(8, 8, 4, stride=2, groups=2), None)],
+    ids=["dynamic_batch", "output_padding", "dilated", "grouped"],
+)
+def test_conv_transpose1d_to_matmul_leaves_dynamic_padded_dilated_and_grouped_convs_alone(conv, dims):
+    args = (torch.randn(2, 8, 8),)
+    _, rewritten, count = _rewrite(conv, args, "conv_transpose1d_to_matmul", dims)
+    assert count == 0
+    _assert_matches_eager(conv, rewritten, args)
+
+
 # -- attention_to_sdpa ---------------------------------------------------------------------------------
 
 
