@@ -86,12 +86,17 @@ def tuning_flags(tuning: dict, target: dict, where: str) -> List[str]:
 # dequantising first.
 QUANT_FLAGS = ["--iree-opt-const-eval=false", "--iree-opt-const-expr-hoisting=false",
                "--iree-dispatch-creation-enable-aggressive-fusion"]
+# On llvm-cpu, also the codegen's O3: the fused dequantise-matvec is then vectorised over the packed weight
+# (OpenVLA's 4096x4096 int4 decode step, x86-64-v3: 10.9 ms without, 2.5 ms with, fp32 5.0 ms).
+QUANT_LLVMCPU_FLAGS = ["--iree-llvmcpu-mlir-opt-level=O3"]
 
 
-def manifest_flags(view: dict) -> List[str]:
-    """Flags implied by the compile view: QUANT_FLAGS for a quantised model."""
+def manifest_flags(view: dict, target: Optional[dict] = None) -> List[str]:
+    """Flags implied by the compile view: QUANT_FLAGS for a quantised model (and QUANT_LLVMCPU_FLAGS when
+    the target compiles with llvm-cpu)."""
     if view["quant_scheme"]["kind"] in ("int8", "int4"):
-        return list(QUANT_FLAGS)
+        cpu = target is not None and "llvm-cpu" in target.get("backends", [])
+        return list(QUANT_FLAGS) + (list(QUANT_LLVMCPU_FLAGS) if cpu else [])
     return []
 
 
@@ -119,7 +124,7 @@ def compile_flags(view: dict, target: dict, where: str, tuning: Optional[dict] =
             "pass the matching toolchains/targets spec",
         )
     tuned = tuning_flags(tuning, target, f"{where} (tuning)") if tuning is not None else []
-    return ["--iree-input-type=torch", *target_flags(target, where), *tuned, *manifest_flags(view),
+    return ["--iree-input-type=torch", *target_flags(target, where), *tuned, *manifest_flags(view, target),
             *REPRODUCIBILITY_FLAGS]
 
 
