@@ -145,6 +145,17 @@ def check_supported_ops(mlir: str, exported, where: str) -> None:
     )
 
 
+def parameter_entries(module, mlir: str):
+    """(the module's parameters as the MLIR names them — name, shape, dtype — and the names of its own tensors
+    the graph never reads). The second are a training-only branch a checkpoint may hold (ACT's VAE encoder):
+    the parameter stage leaves them out of the archive."""
+    named = set(_NAMED_PARAMETER.findall(mlir))
+    state = sorted(module.state_dict().items())
+    parameters = [{"name": name, "shape": list(tensor.shape), "dtype": DTYPE_NAMES[tensor.dtype]}
+                  for name, tensor in state if name in named]
+    return parameters, [name for name, _ in state if name not in named]
+
+
 def _dynamic_shapes(inputs: Sequence[InputSpec], minimums: Dict[str, int]):
     """torch.export dynamic_shapes for the positional inputs, or None when every shape is static."""
     import torch
@@ -335,16 +346,7 @@ def export_model(
     mlir = str(output.mlir_module)
     check_supported_ops(mlir, exported, where)
 
-    # The module's parameters as the MLIR names them; a tensor the graph never reads is not among them.
-    named = set(_NAMED_PARAMETER.findall(mlir))
-    parameters = [
-        {"name": name, "shape": list(tensor.shape), "dtype": DTYPE_NAMES[tensor.dtype]}
-        for name, tensor in sorted(module.state_dict().items())
-        if name in named
-    ]
-    # The module's own tensors that this graph never reads (a training-only branch): a checkpoint may hold
-    # them; the parameter stage leaves them out.
-    unused = sorted(name for name in module.state_dict() if name not in named)
+    parameters, unused = parameter_entries(module, mlir)
     if "dense_resource<" in mlir:
         raise DsaError(where, "the MLIR inlines tensor values (dense_resource): weights were not externalised",
                        "register every weight as an nn.Parameter or persistent buffer of the exported module")

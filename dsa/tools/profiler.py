@@ -473,18 +473,12 @@ def benchmark_input_flags(traced_inputs, values: Mapping[str, object], work: Pat
 
 
 def _parameter_record(traced, mlir: str, view: dict) -> dict:
-    """What the parameter stage reads of an export record: the parameters the module names, quantisation."""
-    from dsa.stages.export import PARAMETER_SCOPE
-    from dsa.stages.spec import DTYPE_NAMES
+    """What the parameter stage reads of an export record: the parameters the module names, the tensors it
+    never reads (a checkpoint may hold them), quantisation — as the export stage records them."""
+    from dsa.stages.export import PARAMETER_SCOPE, parameter_entries
 
-    named = set(re.findall(r'#flow\.parameter\.named<"' + PARAMETER_SCOPE + r'"::"([^"]+)">', mlir))
-    record = {
-        "parameter_scope": PARAMETER_SCOPE,
-        "parameters": [
-            {"name": name, "shape": list(tensor.shape), "dtype": DTYPE_NAMES[tensor.dtype]}
-            for name, tensor in sorted(traced.module.state_dict().items()) if name in named
-        ],
-    }
+    parameters, unused = parameter_entries(traced.module, mlir)
+    record = {"parameter_scope": PARAMETER_SCOPE, "parameters": parameters, "unused_parameters": unused}
     if traced.quantized:
         record["quantization"] = {"scheme": view["quant_scheme"], "tensors": traced.quantized}
     return record
