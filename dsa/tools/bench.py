@@ -273,6 +273,119 @@ class IreeModule:
         return np.asarray(result.to_host())
 
 
+# -- quantised matmuls at OpenVLA's real sizes --------------------------------------------------------
+# //models:openvla is a scaled-down stand-in (256-wide decoder): its fp32 weights (21 MB) sit in the CPU's
+# caches, where packing cannot pay. OpenVLA's own decoder is Llama-2-7B's (4096 wide, 11008-wide MLP, 32
+# layers: 13 GB fp32, memory-bound in every decode step). These rows time exactly the layers it is made of,
+# at those sizes, as the build compiles them (dsa.stages.quant's op, the target's flags and the quantised-model
+# flags of dsa.stages.compile; manifests/openvla*.yaml name no tuning family).
+QUANT_LAYERS = (("attention q/k/v/o", 4096, 4096), ("MLP gate/up", 11008, 4096), ("MLP down", 4096, 11008))
+QUANT_ROWS = ((1, "decode step"), (64, "prefill, 64 tokens"))
+QUANT_SCHEMES = (("fp32", {"kind": "none"}), ("int8 g32", {"kind": "int8", "group_size": 32}),
+                 ("int4 g32", {"kind": "int4", "group_size": 32}))
+QUANT_LAYERS_SUBJECT = "quant_layers"  # its name for --models
+
+
+def _quant_layer_module(out_f: int, in_f: int, scheme: dict, weight: np.ndarray, work: Path) -> Built:
+    """One linear layer (no bias) with `weight`, quantised by `scheme` as DsaParams would, exported with its
+    parameters outside the module; compiled by the caller."""
+    import torch
+    from iree.turbine import aot
+
+    from dsa.stages.export import PARAMETER_SCOPE
+    from dsa.stages.quant import SCALE_SUFFIX, quantize_module, quantize_weight
+
+    work.mkdir(parents=True, exist_ok=True)
+    layer = torch.nn.Sequential(torch.nn.Linear(in_f, out_f, bias=False)).eval()
+    if scheme["kind"] == "none":
+        layer[0].weight.data.copy_(torch.from_numpy(weight))
+    else:
+        quantize_module(layer, scheme)
+        parts = quantize_weight(weight, scheme)
+        layer[0].weight.copy_(torch.from_numpy(parts[""]))
+        getattr(layer[0], "weight" + SCALE_SUFFIX).copy_(torch.from_numpy(parts[SCALE_SUFFIX]))
+    aot.externalize_module_parameters(layer, external_scope=PARAMETER_SCOPE)
+    return layer
+
+
+def bench_quant_layers(root: Path, target_name: str, work: Path, *, runs: int, warmup: int) -> List[dict]:
+    """Each OpenVLA decoder layer shape x each row count x fp32 / int8 / int4: latency (median/p90 of
+    `runs` calls, alternating the three schemes), output parity against the fp32 layer on the same
+    dequantised weights, and the bytes of weights each reads."""
+    import torch
+    from iree.turbine import aot
+
+    from dsa.stages.compile import compile_module
+    from dsa.stages.export import PARAMETER_SCOPE
+    from dsa.stages.quant import SCALE_SUFFIX, dequantize, quantize_weight
+
+    target = read_json(root / "toolchains" / "targets" / f"{target_name}.json")
+    rng = np.random.default_rng(0)
+    rows = []
+    for label, out_f, in_f in QUANT_LAYERS:
+        weight = (rng.standard_normal((out_f, in_f)) / np.sqrt(in_f)).astype(np.float32)
+        for n_rows, what in QUANT_ROWS:
+            x = rng.standard_normal((n_rows, in_f)).astype(np.float32)
+            modules, weights_bytes, outputs, checks = {}, {}, {}, {}
+            for name, scheme in QUANT_SCHEMES:
+                sub = work / f"{out_f}x{in_f}_{n_rows}_{scheme['kind']}"
+                layer = _quant_layer_module(out_f, in_f, scheme, weight, sub)
+                with torch.no_grad():
+                    program = torch.export.export(layer, (torch.from_numpy(x),), strict=False)
+                (sub / "model.mlir").write_text(str(aot.export(program).mlir_module))
+                aot.save_module_parameters(str(sub / "params.irpa"), layer)
+                view = {"model_id": "layer", "quant_scheme": scheme, "target": target_name, "tuning": None}
+                report = compile_module(sub / "model.mlir", view, target, sub / "model.vmfb",
+                                        where=f"{label} {scheme['kind']}")
+                record = {"parameter_scope": PARAMETER_SCOPE, "function": "main", "inputs": [{"name": "x"}]}
+                built = Built(sub / "model.vmfb", record, sub / "params.irpa", report["flags"], {}, 0.0, 0.0,
+                              report["vmfb_bytes"])
+                modules[name] = IreeModule(built, target["runtime_driver"])
+                weights_bytes[name] = sum(t.numel() * t.element_size() for t in layer.state_dict().values())
+                outputs[name] = modules[name]({"x": x})
+                # Exactness: the same math in float64 on the weights the module holds (dequantised).
+                held = weight if scheme["kind"] == "none" else dequantize(
+                    *(lambda parts: (parts[""], parts[SCALE_SUFFIX]))(quantize_weight(weight, scheme)),
+                    {"shape": [out_f, in_f], "kind": scheme["kind"], "group_size": scheme["group_size"]})
+                checks[name] = parity(outputs[name], x.astype(np.float64) @ held.T.astype(np.float64))
+            ref = x.astype(np.float64) @ weight.T.astype(np.float64)
+            fns = {name: (lambda m: lambda: m({"x": x}))(m) for name, m in modules.items()}
+            timings = measure_interleaved(fns, warmup=warmup, runs=runs)
+            scale = float(np.abs(ref).max())
+            rows.append({
+                "layer": label, "shape": [out_f, in_f], "rows": n_rows, "case": what,
+                "schemes": {name: dict(timings[name], parity=checks[name], weight_bytes=weights_bytes[name],
+                                       rel_error=round(float(np.abs(outputs[name] - ref).max()) / scale, 6))
+                            for name in modules},
+            })
+            del modules
+    return rows
+
+
+def render_quant_layers(rows: List[dict]) -> List[str]:
+    lines = [
+        "", "## Quantised matmuls at OpenVLA's real layer sizes", "",
+        "The layers of OpenVLA's Llama-2-7B decoder at their real sizes, each as the build compiles it "
+        "(fp32; `dsa.stages.quant`'s fused op for int8/int4, group 32; the target's flags), one row "
+        "(a decode step at batch 1: memory-bound) and 64 rows (a prefill chunk: compute-bound), timed in "
+        "alternating rounds. Each output is checked (✗) against float64 on the weights the module holds "
+        "(dequantised for int8/int4); error: max |int4 out − float reference| / max |reference| on the float "
+        "weights, i.e. int4's rounding (random Gaussian weights: its worst case).",
+        "",
+        "| layer | [out, in] | case | fp32 ms | int8 ms | int4 ms | int4 / fp32 | weights fp32 → int4 | int4 error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        sc = r["schemes"]
+        ratio = sc["int4 g32"]["median_ms"] / sc["fp32"]["median_ms"]
+        lines.append(
+            f"| {r['layer']} | {r['shape'][0]}×{r['shape'][1]} | {r['case']} | {_ms(sc['fp32'])} "
+            f"| {_ms(sc['int8 g32'])} | {_ms(sc['int4 g32'])} | {ratio:.2f} "
+            f"| {sc['fp32']['weight_bytes'] / 2**20:.0f} → {sc['int4 g32']['weight_bytes'] / 2**20:.1f} MiB "
+            f"| {sc['int4 g32']['rel_error']:.1e} |")
+    return lines
+
+
 # -- the other runtimes ------------------------------------------------------------------------------
 def ort_session(eager, args, names: List[str], path: Path, threads: int):
     import onnxruntime as ort
@@ -547,6 +660,19 @@ def eager_lerobot(policy, names: List[str], steps: Optional[int]):
     return EagerLeRobot().eval()
 
 
+def onnx_candidates(eager, policy, steps: Optional[int]):
+    """What ONNX Runtime runs for a LeRobot policy: its eager call, exported by torch's ONNX exporter; for
+    Diffusion Policy, whose eager sampling loop does not export (its scheduler indexes tables with
+    data-dependent timesteps), next the front end's unrolled form of the same call (LeRobot's own
+    generate_actions with the timesteps pinned as ints; equal to eager in dsa.frontends.lerobot's tests) when
+    the step count is the config's. Each is checked against eager in the same run."""
+    yield eager
+    if policy.config.type == "diffusion" and steps in (None, policy.diffusion.num_inference_steps):
+        from dsa.frontends.lerobot.diffusion import adapter
+
+        yield adapter(policy, "unrolled").eval()
+
+
 def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: Path, with_ort: bool = True,
                  with_compile: bool = True) -> dict:
     """The policy's shipped module (its smallest bucket, batch 1, the runtime's default step count) against
@@ -567,7 +693,8 @@ def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: 
         steps = int(compiled.runtime_view.get("flow_steps") or 10)
         inputs["steps"] = np.array(steps, dtype=np.int64)
     observation = [n for n in names if n != "steps"]
-    eager = eager_lerobot(load_pretrained(policy.policy_dir), observation, steps)
+    policy_obj = load_pretrained(policy.policy_dir)
+    eager = eager_lerobot(policy_obj, observation, steps)
     args = [torch.from_numpy(np.asarray(inputs[n])) for n in observation]
     with torch.no_grad():
         ref = eager(*args).numpy().astype(np.float64)
@@ -577,13 +704,16 @@ def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: 
                                             "vmfb": lambda: compiled.run(inputs)}
     checks = {"eager": parity(ref, ref), "vmfb": parity(compiled.run(inputs)[0][0], ref)}
     if with_ort:
-        try:
-            session, feeds = ort_session(eager, args, observation, work / f"{policy.name}.onnx", threads)
-            feed = {f: np.asarray(inputs[n]) for f, n in zip(feeds, observation)}
-            checks["onnxruntime"] = parity(session.run(None, feed)[0], ref)
-            fns["onnxruntime"] = lambda: session.run(None, feed)
-        except Exception as e:  # reported, not fatal: not every policy exports to ONNX
-            errors["onnxruntime"] = _error(e)
+        for candidate in onnx_candidates(eager, policy_obj, steps):
+            try:
+                session, feeds = ort_session(candidate, args, observation, work / f"{policy.name}.onnx", threads)
+                feed = {f: np.asarray(inputs[n]) for f, n in zip(feeds, observation)}
+                checks["onnxruntime"] = parity(session.run(None, feed)[0], ref)
+                fns["onnxruntime"] = lambda: session.run(None, feed)
+                errors.pop("onnxruntime", None)
+                break
+            except Exception as e:  # reported, not fatal: not every policy exports to ONNX
+                errors.setdefault("onnxruntime", _error(e))
     compile_s = None
     if with_compile:
         try:
@@ -620,6 +750,14 @@ def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: 
     }
 
 
+def policy_parameters(index: Path) -> int:
+    """The parameter count of a module index's first module (its export record)."""
+    from dsa.core.formats import ExportRecord, ModuleIndex
+
+    first = ModuleIndex.read(index).modules[0][1]
+    return int(ExportRecord.read(index.parent / first)["parameter_count"])
+
+
 def not_runnable(index: Path) -> Optional[dict]:
     """{"target", "not_run": why} for a module index whose target this machine cannot execute (an AVX-512
     build on an AVX2 CPU), else None."""
@@ -631,8 +769,15 @@ def not_runnable(index: Path) -> Optional[dict]:
     return None if why is None else {"target": spec["name"], "not_run": why}
 
 
+# A policy with at least this many parameters is "full size": in light mode (CI) it is timed with
+# LIGHT_FULL_SIZE_RUNS calls against eager only — its ONNX export and torch.compile take tens of minutes on 2
+# cores (SmolVLA at SmolVLM2-500M size: > 15 min for the ONNX export alone). `bazel run //bench` runs them all.
+FULL_SIZE_PARAMETERS = 100_000_000
+LIGHT_FULL_SIZE_RUNS = 3
+
+
 def run_lerobot_benchmark(root: Path, out: Path, *, models: Optional[Sequence[str]], runs: int, warmup: int,
-                          threads: int) -> None:
+                          threads: int, light: bool = False) -> None:
     """The LeRobot half of `bazel run //bench`, run in the LeRobot environment: writes its rows to `out`."""
     set_iree_threads(threads)
     policies = lerobot_policies(root)
@@ -647,8 +792,16 @@ def run_lerobot_benchmark(root: Path, out: Path, *, models: Optional[Sequence[st
                       flush=True)
                 rows.append(dict(model=policy.name, **not_here))
                 continue
-            print(f"dsa-bench: {policy.name} (LeRobot) …", flush=True)
-            rows.append(bench_policy(policy, runs=runs, warmup=warmup, threads=threads, work=Path(tmp)))
+            full_size = light and policy_parameters(policy.index) >= FULL_SIZE_PARAMETERS
+            print(f"dsa-bench: {policy.name} (LeRobot{', full size, light: eager only' if full_size else ''}) …",
+                  flush=True)
+            row = bench_policy(policy, runs=LIGHT_FULL_SIZE_RUNS if full_size else runs,
+                               warmup=min(warmup, 1) if full_size else warmup, threads=threads, work=Path(tmp),
+                               with_ort=not full_size, with_compile=not full_size)
+            if full_size:
+                row["errors"].update({k: "not measured in light mode (full size): run `bazel run //bench`"
+                                      for k in ("onnxruntime", "torch.compile")})
+            rows.append(row)
     write_json_atomic(out, {"format": RESULTS_FORMAT, "policies": rows})
 
 
@@ -688,6 +841,9 @@ def render_markdown(results: dict) -> str:
         f"uses {m['threads']} threads; {results['warmup']} warm-up calls, then {results['runs']} timed calls.",
         "Cells are median / p90 in ms; ✗ marks an output outside the parity bound "
         f"(|x − eager| ≤ {REL_TOL:g}·max(1, |eager|)).",
+        *([f"Light run (`--light`, what CI prints): full-size policies (≥ {FULL_SIZE_PARAMETERS // 10**6}M "
+           f"parameters) get {LIGHT_FULL_SIZE_RUNS} calls against eager only; `bazel run //bench` runs "
+           "everything."] if results.get("light") else []),
         "",
         "## Latency",
         "",
@@ -742,6 +898,8 @@ def render_markdown(results: dict) -> str:
             if r.get("errors"):
                 lines.append("")
                 lines.append(f"{r['model']}: " + "; ".join(f"{k} not measured ({v})" for k, v in r["errors"].items()))
+    if results.get("quant_layers"):
+        lines += render_quant_layers(results["quant_layers"])
     lines += [
         "",
         "## Graph rewrites: before / after",
@@ -851,6 +1009,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--no-lerobot", action="store_true",
                         help="skip the LeRobot policies (measured in the LeRobot environment)")
+    parser.add_argument("--no-quant-layers", action="store_true",
+                        help="skip the quantised matmuls at OpenVLA's real layer sizes")
+    parser.add_argument("--light", action="store_true",
+                        help="CI's light run: full-size policies get 3 calls against eager only (see "
+                             "FULL_SIZE_PARAMETERS); everything else as asked")
     parser.add_argument("--lerobot-only", type=Path, metavar="OUT_JSON",
                         help=argparse.SUPPRESS)  # the LeRobot half, run by this tool in the LeRobot environment
     a = parser.parse_args(argv)
@@ -859,7 +1022,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     root = a.root or Path(os.path.abspath(__file__)).parents[2]
     if a.lerobot_only:
         run_lerobot_benchmark(root, a.lerobot_only, models=a.models, runs=a.runs, warmup=a.warmup,
-                              threads=a.threads)
+                              threads=a.threads, light=a.light)
         return
     if a.runs < 30:
         print(f"dsa-bench: note: {a.runs} runs per measurement (the published tables use >= 30)")
@@ -870,8 +1033,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                        f"choose one of {sorted(p.stem for p in (root / 'toolchains' / 'targets').glob('*.json'))}")
     subjects = load_subjects(root / "bench" / "subjects.json", root)
     policies = [] if a.no_lerobot else [p.name for p in lerobot_policies(root)]
+    quant_layers = not a.no_quant_layers
     if a.models:
-        known = [s.name for s in subjects] + policies
+        quant_layers = quant_layers and QUANT_LAYERS_SUBJECT in a.models
+        known = [s.name for s in subjects] + policies + [QUANT_LAYERS_SUBJECT]
         unknown = sorted(set(a.models) - set(known))
         if unknown:
             raise DsaError("--models", f"no bench subject {', '.join(unknown)}", f"known: {', '.join(known)}")
@@ -889,8 +1054,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         "target": target,
         "runs": a.runs,
         "warmup": a.warmup,
+        "light": a.light,
         "models": [],
         "policies": [],
+        "quant_layers": [],
     }
     with tempfile.TemporaryDirectory(prefix="dsa-bench-") as tmp:
         for subject in subjects:
@@ -904,13 +1071,17 @@ def main(argv: Optional[List[str]] = None) -> None:
             out = Path(tmp) / "lerobot.json"
             cmd = [str(python), os.path.abspath(__file__), "--lerobot-only", str(out), "--root", str(root),
                    "--runs", str(a.runs), "--warmup", str(a.warmup), "--threads", str(a.threads),
-                   "--models", *policies]
+                   *(["--light"] if a.light else []), "--models", *policies]
             pythonpath = [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
             proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=os.pathsep.join(pythonpath)))
             if proc.returncode != 0:
                 raise DsaError("dsa bench", f"the LeRobot benchmark failed (exit {proc.returncode})",
                                f"rerun it alone: {' '.join(cmd)}")
             results["policies"] = read_json(out)["policies"]
+        if quant_layers:
+            print("dsa-bench: quantised matmuls at OpenVLA's layer sizes …", flush=True)
+            results["quant_layers"] = bench_quant_layers(root, target, Path(tmp) / "quant_layers", runs=a.runs,
+                                                         warmup=a.warmup)
     write_json_atomic(out_dir / "results.json", results)
     text = render_markdown(results)
     write_bytes_atomic(out_dir / "RESULTS.md", text.encode("utf-8"))

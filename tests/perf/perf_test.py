@@ -260,3 +260,31 @@ def test_markdown_report_has_a_row_per_lerobot_policy_with_load_and_goal():
     assert ("| act | x86_64-v4 | `batch_0.vmfb` | batch=1 | 250.00 / 275.00 | 200.00 / 220.00 | 160.00 / 176.00 "
             "| — | 0.80 | 1.25 | 0.9 → 1.2 | met |") in text
     assert "act: torch.compile not measured (RuntimeError: x)" in text
+
+
+def test_a_build_this_machine_cannot_execute_is_a_not_run_row_naming_what_it_lacks(tmp_path):
+    spec = dict(V3, name="x86_64-future", host={"arch": "x86_64", "cpu_features": ["dsa_no_cpu_has_this"]})
+    (tmp_path / "future.json").write_text(json.dumps(spec))
+    index = tmp_path / "p.modules.json"
+    index.write_text(json.dumps({"format": 1, "target": "x86_64-future", "target_spec": "future.json",
+                                 "parameter_archive": "p.irpa", "parameter_scope": "model",
+                                 "runtime_view": "r.json", "modules": []}))
+    row = bench.not_runnable(index)
+    assert row == {"target": "x86_64-future",
+                   "not_run": "it needs the CPU features dsa_no_cpu_has_this, which this CPU lacks"}
+    text = bench.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
+                                              "python": "3"}, "date": "d", "target": "x86_64-v3", "runs": 30,
+                                  "warmup": 5, "models": [], "policies": [dict(model="p", **row)]})
+    assert "| p | x86_64-future | — |" in text and "not run on this machine: it needs the CPU features" in text
+
+
+def test_quantised_layer_rows_render_ratio_sizes_and_error():
+    entry = lambda ms, b, e: {"median_ms": ms, "p90_ms": ms, "runs": 30, "weight_bytes": b,  # noqa: E731
+                              "rel_error": e, "parity": {"ok": True}}
+    rows = [{"layer": "MLP down", "shape": [4096, 11008], "rows": 1, "case": "decode step",
+             "schemes": {"fp32": entry(10.0, 4096 * 11008 * 4, 0.0), "int8 g32": entry(6.0, 1, 1e-3),
+                         "int4 g32": entry(4.0, 4096 * 11008 // 2 + 4096 * 344 * 4, 5e-2)}}]
+    text = "\n".join(bench.render_quant_layers(rows))
+    assert ("| MLP down | 4096×11008 | decode step | 10.00 / 10.00 | 6.00 / 6.00 | 4.00 / 4.00 | 0.40 "
+            "| 172 → 26.9 MiB | 5.0e-02 |") in text
+    assert text.count("\n| ") == 2  # header, one row (the rule line is "|---")
