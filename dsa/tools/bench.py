@@ -308,10 +308,11 @@ def _quant_layer_module(out_f: int, in_f: int, scheme: dict, weight: np.ndarray,
     return layer
 
 
-def bench_quant_layers(root: Path, target_name: str, work: Path, *, runs: int, warmup: int) -> List[dict]:
+def bench_quant_layers(root: Path, target_name: str, work: Path, *, runs: int, warmup: int,
+                       light: bool = False) -> List[dict]:
     """Each OpenVLA decoder layer shape x each row count x fp32 / int8 / int4: latency (median/p90 of
     `runs` calls, alternating the three schemes), output parity against the fp32 layer on the same
-    dequantised weights, and the bytes of weights each reads."""
+    dequantised weights, and the bytes of weights each reads. `light`: the decode step (one row) only."""
     import torch
     from iree.turbine import aot
 
@@ -324,7 +325,7 @@ def bench_quant_layers(root: Path, target_name: str, work: Path, *, runs: int, w
     rows = []
     for label, out_f, in_f in QUANT_LAYERS:
         weight = (rng.standard_normal((out_f, in_f)) / np.sqrt(in_f)).astype(np.float32)
-        for n_rows, what in QUANT_ROWS:
+        for n_rows, what in QUANT_ROWS[:1] if light else QUANT_ROWS:
             x = rng.standard_normal((n_rows, in_f)).astype(np.float32)
             modules, weights_bytes, outputs, checks = {}, {}, {}, {}
             for name, scheme in QUANT_SCHEMES:
@@ -457,7 +458,10 @@ def reference_cases(subject: Subject, manifest: dict, record: dict):
 # -- one subject ---------------------------------------------------------------------------------------
 def bench_subject(subject: Subject, *, target_name: str, root: Path, work: Path, runs: int, warmup: int,
                   threads: int, with_ort: bool = True, with_compile: bool = True,
-                  profile_top: int = 8) -> dict:
+                  profile_top: int = 8, light: bool = False) -> dict:
+    """One project model: its default, rewritten and tuned builds, and one build per fired rewrite left out
+    (and per opted-out default rewrite put back), against eager PyTorch, ONNX Runtime and torch.compile.
+    `light` (CI): the shipped (tuned) build against eager only, no profile."""
     import torch
 
     from dsa.stages import passes
@@ -471,6 +475,21 @@ def bench_subject(subject: Subject, *, target_name: str, root: Path, work: Path,
     defaults = list(manifest["model"].get("rewrites", passes.DEFAULT_PASSES))
 
     variants: Dict[str, Built] = {}
+    if light:
+        with_ort = with_compile = False
+        profile_top = 0
+        variants["tuned"] = build_variant(subject, manifest, target, tuning, defaults, work / "tuned", pythonpath)
+    else:
+        _ablation_variants(variants, subject, manifest, target, tuning, defaults, work, pythonpath)
+    return _time_subject(subject, manifest, target_name, target, tuning, tuning_path, root, variants, runs=runs,
+                         warmup=warmup, threads=threads, with_ort=with_ort, with_compile=with_compile,
+                         profile_top=profile_top)
+
+
+def _ablation_variants(variants: Dict[str, Built], subject: Subject, manifest: dict, target: dict,
+                       tuning: Optional[dict], defaults: List[str], work: Path, pythonpath: List[str]) -> None:
+    from dsa.stages import passes
+
     variants["default"] = build_variant(subject, manifest, target, None, [], work / "default", pythonpath)
     variants["rewrites"] = build_variant(subject, manifest, target, None, defaults, work / "rewrites", pythonpath)
     variants["tuned"] = (build_variant(subject, manifest, target, tuning, defaults, work / "tuned", pythonpath)
@@ -487,6 +506,12 @@ def bench_subject(subject: Subject, *, target_name: str, root: Path, work: Path,
             built = build_variant(subject, manifest, target, tuning, more, work / f"plus-{name}", pythonpath)
             if built.rewrites.get(name):
                 variants[f"+{name}"] = built
+
+
+def _time_subject(subject: Subject, manifest: dict, target_name: str, target: dict, tuning: Optional[dict],
+                  tuning_path: Path, root: Path, variants: Dict[str, Built], *, runs: int, warmup: int,
+                  threads: int, with_ort: bool, with_compile: bool, profile_top: int) -> dict:
+    import torch
 
     eager, names, cases = reference_cases(subject, manifest, variants["tuned"].record)
     dims = subject.dims(manifest)
@@ -769,11 +794,13 @@ def not_runnable(index: Path) -> Optional[dict]:
     return None if why is None else {"target": spec["name"], "not_run": why}
 
 
-# A policy with at least this many parameters is "full size": in light mode (CI) it is timed with
-# LIGHT_FULL_SIZE_RUNS calls against eager only — its ONNX export and torch.compile take tens of minutes on 2
-# cores (SmolVLA at SmolVLM2-500M size: > 15 min for the ONNX export alone). `bazel run //bench` runs them all.
+# Light mode (CI, `--light`): every model and policy is its shipped module against eager only (no ONNX Runtime,
+# no torch.compile, no ablation builds, no profile: together they took > 30 min of CI on 2 cores), and the
+# quantised layers only at a decode step. A policy with at least FULL_SIZE_PARAMETERS parameters also gets only
+# LIGHT_FULL_SIZE_RUNS calls (SmolVLA at SmolVLM2-500M size: ~9 s per eager call). `bazel run //bench` runs all.
 FULL_SIZE_PARAMETERS = 100_000_000
 LIGHT_FULL_SIZE_RUNS = 3
+LIGHT_NOTE = "not measured in light mode: run `bazel run //bench`"
 
 
 def run_lerobot_benchmark(root: Path, out: Path, *, models: Optional[Sequence[str]], runs: int, warmup: int,
@@ -793,14 +820,12 @@ def run_lerobot_benchmark(root: Path, out: Path, *, models: Optional[Sequence[st
                 rows.append(dict(model=policy.name, **not_here))
                 continue
             full_size = light and policy_parameters(policy.index) >= FULL_SIZE_PARAMETERS
-            print(f"dsa-bench: {policy.name} (LeRobot{', full size, light: eager only' if full_size else ''}) …",
-                  flush=True)
+            print(f"dsa-bench: {policy.name} (LeRobot{', light: vs eager only' if light else ''}) …", flush=True)
             row = bench_policy(policy, runs=LIGHT_FULL_SIZE_RUNS if full_size else runs,
                                warmup=min(warmup, 1) if full_size else warmup, threads=threads, work=Path(tmp),
-                               with_ort=not full_size, with_compile=not full_size)
-            if full_size:
-                row["errors"].update({k: "not measured in light mode (full size): run `bazel run //bench`"
-                                      for k in ("onnxruntime", "torch.compile")})
+                               with_ort=not light, with_compile=not light)
+            if light:
+                row["errors"].update({k: LIGHT_NOTE for k in ("onnxruntime", "torch.compile")})
             rows.append(row)
     write_json_atomic(out, {"format": RESULTS_FORMAT, "policies": rows})
 
@@ -841,9 +866,10 @@ def render_markdown(results: dict) -> str:
         f"uses {m['threads']} threads; {results['warmup']} warm-up calls, then {results['runs']} timed calls.",
         "Cells are median / p90 in ms; ✗ marks an output outside the parity bound "
         f"(|x − eager| ≤ {REL_TOL:g}·max(1, |eager|)).",
-        *([f"Light run (`--light`, what CI prints): full-size policies (≥ {FULL_SIZE_PARAMETERS // 10**6}M "
-           f"parameters) get {LIGHT_FULL_SIZE_RUNS} calls against eager only; `bazel run //bench` runs "
-           "everything."] if results.get("light") else []),
+        *(["Light run (`--light`, what CI prints): each shipped module against eager only (no ONNX Runtime, "
+           "torch.compile, ablation builds or profile), full-size policies (≥ "
+           f"{FULL_SIZE_PARAMETERS // 10**6}M parameters) {LIGHT_FULL_SIZE_RUNS} calls, quantised layers at a "
+           "decode step only; `bazel run //bench` runs everything."] if results.get("light") else []),
         "",
         "## Latency",
         "",
@@ -928,9 +954,12 @@ def render_markdown(results: dict) -> str:
     lines += ["", "## Builds", "", "| model | variant | export s | compile s | vmfb bytes | flags beyond the target's |",
               "|---|---|---|---|---|---|"]
     for r in results["models"]:
-        base = set(r["variants"]["default"]["flags"])
+        # Flags beyond the target's: those the default build (target flags only) does not pass; a light run
+        # builds no default to compare with.
+        base = set(r["variants"]["default"]["flags"]) if "default" in r["variants"] else None
         for name, v in r["variants"].items():
-            extra = " ".join(f"`{f}`" for f in v["flags"] if f not in base) or "—"
+            extra = ("(light run: no default build)" if base is None
+                     else " ".join(f"`{f}`" for f in v["flags"] if f not in base) or "—")
             lines.append(f"| {r['model']} | {name} | {v['export_s']} | {v['compile_s']} | {v['vmfb_bytes']} | {extra} |")
     for r in results["models"]:
         if r.get("errors"):
@@ -1012,8 +1041,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--no-quant-layers", action="store_true",
                         help="skip the quantised matmuls at OpenVLA's real layer sizes")
     parser.add_argument("--light", action="store_true",
-                        help="CI's light run: full-size policies get 3 calls against eager only (see "
-                             "FULL_SIZE_PARAMETERS); everything else as asked")
+                        help="CI's light run: each shipped module against eager only (no ONNX Runtime, "
+                             "torch.compile, ablation builds or profile), full-size policies 3 calls, "
+                             "quantised layers at a decode step only")
     parser.add_argument("--lerobot-only", type=Path, metavar="OUT_JSON",
                         help=argparse.SUPPRESS)  # the LeRobot half, run by this tool in the LeRobot environment
     a = parser.parse_args(argv)
@@ -1064,7 +1094,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f"dsa-bench: {subject.name} …", flush=True)
             results["models"].append(bench_subject(
                 subject, target_name=target, root=root, work=Path(tmp) / subject.name, runs=a.runs,
-                warmup=a.warmup, threads=a.threads, profile_top=0 if a.no_profile else 8))
+                warmup=a.warmup, threads=a.threads, profile_top=0 if a.no_profile else 8, light=a.light))
         if policies:
             # The LeRobot policies run in their own environment (LeRobot and its pinned torch): this tool
             # again, under that interpreter, with the same import roots.
@@ -1081,7 +1111,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if quant_layers:
             print("dsa-bench: quantised matmuls at OpenVLA's layer sizes …", flush=True)
             results["quant_layers"] = bench_quant_layers(root, target, Path(tmp) / "quant_layers", runs=a.runs,
-                                                         warmup=a.warmup)
+                                                         warmup=a.warmup, light=a.light)
     write_json_atomic(out_dir / "results.json", results)
     text = render_markdown(results)
     write_bytes_atomic(out_dir / "RESULTS.md", text.encode("utf-8"))
