@@ -20,8 +20,9 @@
 # plus --remote_download_toplevel / --remote_download_minimal on a cache hit (docs: large artifacts).
 # Prints the cold and cached wall times and hit counts as a benchmark line (no threshold).
 #
-# About 6 minutes on 2 cores: each fresh output base first creates the project's Python environment
-# (~35 s, a repository rule), and each fault that needs actions to run is a cold build (~30-45 s).
+# About 15 minutes on 2 cores: each fresh output base first creates the project's Python environment
+# (~3 min, a repository rule; both at once), and each fault that needs actions to run is a cold build
+# (~1-2 min).
 # Environment: DSA_CACHE_ROOT (where cache-server installs BuildGrid and nginx; default ~/.cache/...),
 # RC_KEEP_WORK=1 keeps the work directory (checkouts, logs) for inspection.
 set -euo pipefail
@@ -146,7 +147,8 @@ git clone -q "$ROOT" "$B"
 log "checkouts: A=$A, B=$B ($(git -C "$A" rev-parse --short HEAD))"
 
 # Set-up outside the timings: each output base creates the Python environment once (analysis fetches it).
-# Both at once: pip's unpacking is mostly one core's work, and this is minutes per output base.
+# Both at once (minutes per output base): the two pip installs overlap their downloads, unpacking and
+# byte-compiling.
 t0="$(now)"
 setup_pids=()
 for pair in "A:$A:$OB_A" "B:$B:$OB_B"; do
