@@ -338,6 +338,19 @@ def test_patchify_takes_a_patch_embedding_before_the_stem_rewrite():
 # -- conv1d_to_matmul, conv_transpose1d_to_matmul --------------------------------------------------------
 
 
+def _assert_conv_becomes_one_matmul(conv, shape, pass_name, op):
+    """`pass_name` rewrites the one conv (followed by an activation) into a matmul: no `op` or
+    aten.convolution left, and the program matches eager."""
+    torch.manual_seed(0)
+    module, args = nn.Sequential(conv, nn.Mish()), (torch.randn(*shape),)
+    _, rewritten, count = _rewrite(module, args, pass_name)
+    assert count == 1
+    targets = _targets(rewritten)
+    assert op not in targets and aten.convolution.default not in targets
+    assert aten.matmul.default in targets
+    _assert_matches_eager(module, rewritten, args)
+
+
 @pytest.mark.parametrize(
     "conv,shape",
     [
@@ -349,14 +362,7 @@ def test_patchify_takes_a_patch_embedding_before_the_stem_rewrite():
     ids=["k5_same", "k3s2_batch2", "k3_dilated_nobias", "k4s3_padded"],
 )
 def test_conv1d_to_matmul_makes_shifted_columns_and_one_matmul_matching_eager(conv, shape):
-    torch.manual_seed(0)
-    module, args = nn.Sequential(conv, nn.Mish()), (torch.randn(*shape),)
-    _, rewritten, count = _rewrite(module, args, "conv1d_to_matmul")
-    assert count == 1
-    targets = _targets(rewritten)
-    assert aten.conv1d.default not in targets and aten.convolution.default not in targets
-    assert aten.matmul.default in targets
-    _assert_matches_eager(module, rewritten, args)
+    _assert_conv_becomes_one_matmul(conv, shape, "conv1d_to_matmul", aten.conv1d.default)
 
 
 @pytest.mark.parametrize(
@@ -384,14 +390,7 @@ def test_conv1d_to_matmul_leaves_dynamic_long_grouped_and_pointwise_convs_alone(
     ids=["k4s2p1_unet", "k3s1_nobias_batch2", "k5s3"],
 )
 def test_conv_transpose1d_to_matmul_makes_one_matmul_and_col2im_matching_eager(conv, shape):
-    torch.manual_seed(0)
-    module, args = nn.Sequential(conv, nn.Mish()), (torch.randn(*shape),)
-    _, rewritten, count = _rewrite(module, args, "conv_transpose1d_to_matmul")
-    assert count == 1
-    targets = _targets(rewritten)
-    assert aten.conv_transpose1d.default not in targets and aten.convolution.default not in targets
-    assert aten.matmul.default in targets
-    _assert_matches_eager(module, rewritten, args)
+    _assert_conv_becomes_one_matmul(conv, shape, "conv_transpose1d_to_matmul", aten.conv_transpose1d.default)
 
 
 @pytest.mark.parametrize(
