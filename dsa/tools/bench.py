@@ -481,8 +481,8 @@ def bench_subject(subject: Subject, *, target_name: str, root: Path, work: Path,
         variants["tuned"] = build_variant(subject, manifest, target, tuning, defaults, work / "tuned", pythonpath)
     else:
         _ablation_variants(variants, subject, manifest, target, tuning, defaults, work, pythonpath)
-    return _time_subject(subject, manifest, target_name, target, tuning, tuning_path, root, variants, runs=runs,
-                         warmup=warmup, threads=threads, with_ort=with_ort, with_compile=with_compile,
+    return _time_subject(subject, manifest, target_name, target, tuning, tuning_path, root, variants, work=work,
+                         runs=runs, warmup=warmup, threads=threads, with_ort=with_ort, with_compile=with_compile,
                          profile_top=profile_top)
 
 
@@ -509,8 +509,8 @@ def _ablation_variants(variants: Dict[str, Built], subject: Subject, manifest: d
 
 
 def _time_subject(subject: Subject, manifest: dict, target_name: str, target: dict, tuning: Optional[dict],
-                  tuning_path: Path, root: Path, variants: Dict[str, Built], *, runs: int, warmup: int,
-                  threads: int, with_ort: bool, with_compile: bool, profile_top: int) -> dict:
+                  tuning_path: Path, root: Path, variants: Dict[str, Built], *, work: Path, runs: int,
+                  warmup: int, threads: int, with_ort: bool, with_compile: bool, profile_top: int) -> dict:
     import torch
 
     eager, names, cases = reference_cases(subject, manifest, variants["tuned"].record)

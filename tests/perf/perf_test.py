@@ -288,3 +288,19 @@ def test_quantised_layer_rows_render_ratio_sizes_and_error():
     assert ("| MLP down | 4096×11008 | decode step | 10.00 / 10.00 | 6.00 / 6.00 | 4.00 / 4.00 | 0.40 "
             "| 172 → 26.9 MiB | 5.0e-02 |") in text
     assert text.count("\n| ") == 2  # header, one row (the rule line is "|---")
+
+
+def test_a_project_subject_is_timed_against_eager_onnx_runtime_and_torch_compile(tmp_path):
+    # The whole path of one project model (the transformer control, its builds, its baselines), with one
+    # timed call each: every runtime gets a row and a parity check, and no baseline reports an error.
+    subject = next(s for s in bench.load_subjects(ROOT / "bench" / "subjects.json", ROOT)
+                   if s.name == "transformer")
+    subject.checkpoint = tmp_path / "absent.safetensors"   # the bench makes dsa_checkpoint's seed-0 one
+    target = bench.best_target(bench.cpu_flags(), TARGETS)
+    result = bench.bench_subject(subject, target_name=target, root=ROOT, work=tmp_path / "work",
+                                 runs=1, warmup=0, threads=2, profile_top=0)
+    assert result["errors"] == {}
+    runtimes = result["cases"][0]["runtimes"]
+    assert {"eager", "vmfb:tuned", "onnxruntime", "torch.compile"} <= set(runtimes)
+    assert all(r["parity"]["ok"] for r in runtimes.values()), runtimes
+    assert "vs_onnxruntime" in result["goal"]["-"]
