@@ -693,9 +693,33 @@ def onnx_candidates(eager, policy, steps: Optional[int]):
     the step count is the config's. Each is checked against eager in the same run."""
     yield eager
     if policy.config.type == "diffusion" and steps in (None, policy.diffusion.num_inference_steps):
-        from dsa.frontends.lerobot.diffusion import adapter
+        yield _unrolled_with_constant_table(policy)
 
-        yield adapter(policy, "unrolled").eval()
+
+def _unrolled_with_constant_table(policy):
+    """The front end's unrolled Diffusion Policy with its DDIM table (`alphas_cumprod`, computed in the graph
+    for IREE) as a constant: torch's ONNX exporter lowers `cumprod` to `prims.prod`, which has no ONNX
+    function. The constant is the same float32 table (bit-identical to diffusers'), computed once here."""
+    import unittest.mock
+
+    import torch
+
+    from dsa.frontends.lerobot import diffusion
+
+    cfg = policy.config
+    table = diffusion.alphas_cumprod(cfg.num_train_timesteps, cfg.beta_schedule, cfg.beta_start, cfg.beta_end)
+    unrolled = diffusion.adapter(policy, "unrolled").eval()
+
+    class ConstantTable(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unrolled = unrolled
+
+        def forward(self, *args):
+            with unittest.mock.patch.object(diffusion, "alphas_cumprod", lambda *schedule: table):
+                return self.unrolled(*args)
+
+    return ConstantTable().eval()
 
 
 def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: Path, with_ort: bool = True,

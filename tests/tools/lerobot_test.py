@@ -329,6 +329,27 @@ def test_diffusion_unrolled_matches_lerobot_generate_actions_for_the_config_step
     assert scheduler.alphas_cumprod is table  # forward's in-graph table override is undone afterwards
 
 
+def test_diffusion_onnx_baseline_exports_with_a_constant_table_and_matches_lerobot_in_onnx_runtime(
+        diffusion_dir, tmp_path):
+    # The benchmark's ONNX Runtime baseline for Diffusion Policy: LeRobot's eager sampling loop does not export,
+    # the unrolled form (with its DDIM table as a constant) does, and ONNX Runtime then matches eager.
+    from dsa.tools import bench
+
+    spec = _spec(diffusion_dir, "unrolled", batch=1)
+    inputs = _inputs(spec)
+    names = list(inputs)
+    policy = lerobot.load_pretrained(diffusion_dir)
+    eager = bench.eager_lerobot(policy, names, None)
+    args = [torch.from_numpy(inputs[n]) for n in names]
+    with torch.no_grad():
+        want = eager(*args).numpy()
+    candidates = list(bench.onnx_candidates(eager, policy, None))
+    assert len(candidates) == 2
+    session, feeds = bench.ort_session(candidates[1], args, names, tmp_path / "diffusion.onnx", threads=1)
+    got = session.run(None, {f: inputs[n] for f, n in zip(feeds, names)})[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE)
+
+
 # --- DDIM ------------------------------------------------------------------------------------------------
 
 
