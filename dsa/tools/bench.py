@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from dsa.core.errors import DsaError, run_cli
-from dsa.core.fileio import read_json, write_bytes_atomic, write_json_atomic
+from dsa.core.fileio import read_json, sha256_file, write_bytes_atomic, write_json_atomic
 
 RESULTS_FORMAT = 1
 # Parity bound of every runtime against eager, as in the models' tests: |x - eager| <= REL_TOL * max(1, |eager|).
@@ -572,7 +572,7 @@ def _time_subject(subject: Subject, manifest: dict, target_name: str, target: di
         "bucket": dims or None,
         "variants": {
             name: {"flags": b.flags, "rewrites": b.rewrites, "export_s": b.export_s, "compile_s": b.compile_s,
-                   "vmfb_bytes": b.vmfb_bytes}
+                   "vmfb_bytes": b.vmfb_bytes, "vmfb_sha256": sha256_file(b.vmfb)}
             for name, b in variants.items()
         },
         "cases": rows,
@@ -789,6 +789,8 @@ def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: 
         "model": policy.name,
         "target": compiled.index["target"],
         "module": module.vmfb.name,
+        # The module timed, by content: the import matrix takes this latency for the build with these bytes.
+        "vmfb_sha256": sha256_file(module.vmfb),
         "bucket": {bucket["dim"]: bucket["size"]} if bucket else None,
         "case": case,
         "runtimes": runtimes,

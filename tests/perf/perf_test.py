@@ -304,3 +304,4 @@ def test_a_project_subject_is_timed_against_eager_onnx_runtime_and_torch_compile
     assert {"eager", "vmfb:tuned", "onnxruntime", "torch.compile"} <= set(runtimes)
     assert all(r["parity"]["ok"] for r in runtimes.values()), runtimes
     assert "vs_onnxruntime" in result["goal"]["-"]
+    assert len(result["variants"]["tuned"]["vmfb_sha256"]) == 64  # the import matrix matches builds by it
