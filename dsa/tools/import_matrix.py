@@ -19,10 +19,12 @@ Writes docs/import-matrix.md (the table, how it was made, machine, CPU, date, co
                      config from the build, in the model's own Python environment) into a scratch directory: the
                      whole run's wall time and the largest peak RSS of its stages (each a process of its own;
                      the stage named), from its timings.json (--no-import skips it)
-  latency            measured here: `iree-benchmark-module` on the same module's built vmfb and the parameter
-                     archive, with deterministic sample inputs from its export record (dsa.runtime.policy.
-                     sample_inputs; dynamic dims at their smallest size, bucketed dims at the module's bucket,
-                     the step-count input at the manifest's flow_steps); median of --runs single-call
+  latency            from the benchmark's own runs where it timed this very module (bench/results.json, matched by
+                     the vmfb's sha256: the median vmfb call there, and its ratio to eager PyTorch / LeRobot);
+                     otherwise measured here: `iree-benchmark-module` on the module's built vmfb and the
+                     parameter archive, with deterministic sample inputs from its export record (dsa.runtime.
+                     policy.sample_inputs; dynamic dims at their smallest size, bucketed dims at the module's
+                     bucket, the step-count input at the manifest's flow_steps); median of --runs single-call
                      repetitions after one warm-up call
 
 The measured module is the smallest bucket of a bucketed model (the module the runtime picks for the shortest
@@ -362,6 +364,52 @@ def measure_latency(unit: Unit, module: dict, work: Path, *, runs: int, threads:
             "driver": target_spec["runtime_driver"], "inputs": described}
 
 
+def read_bench_latencies(path: Path) -> Dict[str, dict]:
+    """The benchmark's timings (bench/results.json, `bazel run //bench`) by the sha256 of the vmfb timed: for
+    each module, its median call and eager's in the same alternating rounds, the case, the run's date and
+    call count. A LeRobot policy is its shipped module; a project model is the bench's tuned build (its last,
+    longest case). Results from before the bench recorded hashes give nothing: they cannot be matched."""
+    if not path.is_file():
+        return {}
+    from dsa.core.fileio import read_json
+
+    data = read_json(path)
+    common = {"date": data.get("date"), "runs": data.get("runs"), "light": bool(data.get("light")),
+              "source": str(path.name)}
+    found: Dict[str, dict] = {}
+
+    def add(sha: Optional[str], case: str, runtimes: dict, vmfb_key: str, runs: Optional[int]) -> None:
+        if not sha or vmfb_key not in runtimes or "eager" not in runtimes:
+            return
+        vmfb, eager = runtimes[vmfb_key]["median_ms"], runtimes["eager"]["median_ms"]
+        entry = dict(common, case=case, vmfb_ms=vmfb, eager_ms=eager, vs_eager=round(vmfb / eager, 3),
+                     runs=runs or common["runs"])
+        if "onnxruntime" in runtimes:
+            entry["vs_onnxruntime"] = round(vmfb / runtimes["onnxruntime"]["median_ms"], 3)
+        found[sha] = entry
+
+    for policy in data.get("policies", []):
+        if "runtimes" in policy:
+            add(policy.get("vmfb_sha256"), policy.get("case", ""), policy["runtimes"], "vmfb",
+                policy["runtimes"].get("vmfb", {}).get("runs"))
+    for model in data.get("models", []):
+        tuned = (model.get("variants") or {}).get("tuned") or {}
+        if model.get("cases"):
+            case = model["cases"][-1]
+            add(tuned.get("vmfb_sha256"), case["case"], case["runtimes"], "vmfb:tuned",
+                case["runtimes"].get("vmfb:tuned", {}).get("runs"))
+    return found
+
+
+def attach_bench(row: dict, unit: Unit, bench: Dict[str, dict]) -> None:
+    """row["bench"]: the benchmark's timing of the row's measured module (the smallest bucket), if it has one."""
+    from dsa.core.fileio import sha256_file
+
+    row["bench"] = None
+    if bench and unit.modules and unit.modules[0]["vmfb"].is_file():
+        row["bench"] = bench.get(sha256_file(unit.modules[0]["vmfb"]))
+
+
 def _resolve(short_path: str, bin_dir: Path, workspace: Path) -> Path:
     """A runfiles short path from the policies index: a generated file (bin_dir), a source file (bin_dir under
     `bazel run`, else the workspace), or `../<repo>/...` in an external repository (the runfiles tree's
@@ -410,7 +458,8 @@ def measure_import(source: dict, bin_dir: Path, workspace: Path, work: Path, whe
 
 
 def measure_row(row: dict, unit: Unit, *, runs: int, threads: int) -> None:
-    """Adds the measured cells to `row` (one module: the smallest bucket); failures become notes."""
+    """Adds the measured cells to `row` (one module: the smallest bucket); failures become notes. The latency
+    is not measured again where the benchmark timed this module (row["bench"])."""
     if not row["compile"] or not row["export"]:
         return
     module = unit.modules[0]
@@ -422,6 +471,8 @@ def measure_row(row: dict, unit: Unit, *, runs: int, threads: int) -> None:
             row["measured"].update(measure_compile(module, Path(tmp), where))
         except DsaError as e:
             row["notes"].append(f"compile re-run: {e}")
+        if row.get("bench"):
+            return
         try:
             row["measured"].update(measure_latency(unit, module, Path(tmp), runs=runs, threads=threads,
                                                    where=where))
@@ -431,9 +482,10 @@ def measure_row(row: dict, unit: Unit, *, runs: int, threads: int) -> None:
 
 def collect(models: Sequence[ModelSpec], bin_dir: Path, testlogs: Path, *, measure: bool, runs: int,
             threads: int, log=print, sources: Optional[Dict[str, dict]] = None,
-            workspace: Optional[Path] = None) -> List[dict]:
+            workspace: Optional[Path] = None, bench: Optional[Dict[str, dict]] = None) -> List[dict]:
     """The table's rows; with `measure`, each built module measured, and, for the policies in `sources`
-    (read_import_sources), `dsa compile` timed from their manifest and checkpoint."""
+    (read_import_sources), `dsa compile` timed from their manifest and checkpoint. `bench`
+    (read_bench_latencies) gives the latency of the modules the benchmark timed."""
     sources = sources or {}
     rows = []
     for spec in models:
@@ -441,6 +493,7 @@ def collect(models: Sequence[ModelSpec], bin_dir: Path, testlogs: Path, *, measu
         for name in module_units(spec, bin_dir):
             unit = read_unit(bin_dir, name)
             row = collect_files(spec, unit, test)
+            attach_bench(row, unit, bench or {})
             if measure and unit.index is not None:
                 log(f"dsa-import-matrix: //models:{name} …")
                 measure_row(row, unit, runs=runs, threads=threads)
@@ -496,6 +549,14 @@ def fmt_import(measured: dict) -> str:
     return f"{measured['import_s']:.0f} s, {peak_text} ({measured['import_peak_stage']})"
 
 
+def fmt_bench(bench: dict) -> str:
+    """The benchmark's median vmfb call and its ratio to eager (and to ONNX Runtime where it ran)."""
+    ratios = f"{bench['vs_eager']:.2f}× eager"
+    if "vs_onnxruntime" in bench:
+        ratios += f", {bench['vs_onnxruntime']:.2f}× ORT"
+    return f"{fmt_ms(bench['vmfb_ms'])} ({ratios})"
+
+
 def _check(ok: bool) -> str:
     return "✓" if ok else "✗"
 
@@ -519,6 +580,7 @@ def row_cells(row: dict) -> List[str]:
         compile_cell = "✗ re-run differs"
     if row["compile"] and row["modules"] > 1:
         compile_cell += f" ({row['modules']} modules)"
+    bench = row.get("bench")
     if not row["compile"]:
         timing = [MISSING] * 4
     elif measured:
@@ -528,9 +590,14 @@ def row_cells(row: dict) -> List[str]:
                   fmt_ms(measured["latency_ms"]) if "latency_ms" in measured else "failed"]
     else:
         timing = [NOT_MEASURED] * 4
+    if row["compile"] and bench:
+        timing[3] = fmt_bench(bench)
     measured_on = MISSING
     if measured:
         measured_on = measured["module"] + (f" ({measured['inputs']})" if measured.get("inputs") else "")
+    if bench:
+        module = (row.get("measured") or {}).get("module") or "smallest bucket"
+        measured_on = f"{module} (bench {bench['date']}: {bench['case']})"
     return [f"`{model}`", _check(row["export"]), compile_cell, fmt_parity(row["parity"]),
             fmt_bytes(row["vmfb_bytes"]), fmt_bytes(row["irpa_bytes"]), fmt_bytes(row["mlir_bytes"]),
             fmt_count(row["parameter_count"]), *timing, measured_on]
@@ -552,12 +619,15 @@ def render_table(data: dict) -> str:
     caption = (f"Generated {data['date']} by `{data['command']}` on {machine['cpu']} "
                f"({machine['threads']} threads, target {data['target'] or MISSING}); ")
     if data["measure"]:
-        caption += (f"latency: median of {data['runs']} `iree-benchmark-module` calls of the measured module; "
+        caption += ("latency: the benchmark's median call where it timed this very module (bench/results.json, "
+                    "matched by sha256; with its ratio to eager in the same alternating rounds), else the median of "
+                    f"{data['runs']} `iree-benchmark-module` calls of the measured module; "
                     "compile time and peak RSS: `iree-compile` re-run on its MLIR with its build flags; "
                     "import→vmfb: `dsa compile` of the model from its manifest and checkpoint, with the largest "
                     "peak RSS of its stages and the stage.")
     else:
-        caption += "rendered from build and test outputs only (`--no-measure`)."
+        caption += ("rendered from build and test outputs only (`--no-measure`); latency where the benchmark "
+                    "timed the module (bench/results.json).")
     lines += ["", caption]
     notes = [(row, note) for row in data["rows"] for note in row["notes"]]
     mismatched = [row for row in data["rows"] if (row.get("measured") or {}).get("identical") is False]
@@ -600,10 +670,14 @@ def render_document(data: dict) -> str:
         "wall time (export, parameter archive, bucket exports, compiles for every target the manifest lists), "
         "and the largest peak RSS among its stages, each a process of its own (`timings.json`), with that "
         "stage. Not measured with `--no-import`.",
-        "* **latency (median)**: `iree-benchmark-module` on the built vmfb and parameter archive: one untimed "
-        "call, then the median of single-call repetitions; inputs from `dsa.runtime.policy.sample_inputs` (seed 0) "
-        "with the sizes in **measured on** (dynamic dims at their smallest size, bucketed inputs at the "
-        "module's bucket, the step-count input at the manifest's `flow_steps`).",
+        "* **latency (median)**: where the benchmark (`./bazelw run //bench`, bench/RESULTS.md) timed this very "
+        "module — matched by the vmfb's sha256 in bench/results.json — its median call, with the ratio to eager "
+        "PyTorch / LeRobot (and ONNX Runtime) from the same alternating rounds; **measured on** then names the "
+        "bench run's date and case. Otherwise `iree-benchmark-module` on the built vmfb and parameter archive: "
+        "one untimed call, then the median of single-call repetitions; inputs from "
+        "`dsa.runtime.policy.sample_inputs` (seed 0) with the sizes in **measured on** (dynamic dims at their "
+        "smallest size, bucketed inputs at the module's bucket, the step-count input at the manifest's "
+        "`flow_steps`).",
         "* **measured on**: the module measured (a bucketed model: its smallest bucket) and its input sizes.",
         "",
         "## How it was generated",
@@ -722,6 +796,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--readme", type=Path, help="README to update between the markers (default: "
                         "<workspace>/README.md; --readme '' for none)")
     parser.add_argument("--from-json", type=Path, help="render a previously collected import-matrix.json")
+    parser.add_argument("--bench-results", type=Path, help="the benchmark's results.json whose latencies the "
+                        "table takes for the modules it timed (default: <workspace>/bench/results.json; "
+                        "--bench-results '' for none)")
     a = parser.parse_args(argv)
     if a.runs < 1:
         raise DsaError("--runs", f"{a.runs} is not a positive number of repetitions")
@@ -746,9 +823,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         else:
             command = shlex.join(["python3", "dsa/tools/import_matrix.py", *args])
         print(f"dsa import-matrix: outputs from {bin_dir}, test results from {testlogs}", flush=True)
+        bench_path = None if a.bench_results == Path("") else (a.bench_results or workspace / "bench" / "results.json")
+        bench = read_bench_latencies(bench_path) if bench_path is not None else {}
         rows = collect(select_models(a.models, read_models(bin_dir)), bin_dir, testlogs, measure=not a.no_measure,
                        runs=a.runs, threads=a.threads, workspace=workspace,
-                       sources=None if a.no_import else read_import_sources(bin_dir))
+                       sources=None if a.no_import else read_import_sources(bin_dir), bench=bench)
         targets = sorted({r["target"] for r in rows if r["target"]})
         data = {
             "format": DATA_FORMAT,

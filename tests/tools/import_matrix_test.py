@@ -284,3 +284,53 @@ def test_every_manifest_is_a_row_or_a_stage_of_the_matrix():
     assert model_ids <= rows, sorted(model_ids - rows)
     tests = {m.name: m.test for m in models}
     assert tests["pi0"] == "//models/pi0:pi0_test" and tests["groot"] == "//models/groot:groot_test"
+
+
+BENCH_RESULTS = {
+    "format": 1, "date": "2026-12-02", "runs": 30, "light": False,
+    "policies": [
+        {"model": "act", "case": "batch=1", "vmfb_sha256": "aa" * 32,
+         "runtimes": {"eager": {"median_ms": 400.0, "runs": 30}, "vmfb": {"median_ms": 600.0, "runs": 30},
+                      "onnxruntime": {"median_ms": 250.0, "runs": 30}}},
+        {"model": "old", "case": "batch=1",  # a result from before the bench recorded hashes: never matched
+         "runtimes": {"eager": {"median_ms": 1.0}, "vmfb": {"median_ms": 1.0}}},
+    ],
+    "models": [
+        {"model": "pi0", "variants": {"tuned": {"vmfb_sha256": "bb" * 32}},
+         "cases": [{"case": "steps=1", "runtimes": {"eager": {"median_ms": 16.0}, "vmfb:tuned": {"median_ms": 8.0}}},
+                   {"case": "steps=10", "runtimes": {"eager": {"median_ms": 30.0},
+                                                     "vmfb:tuned": {"median_ms": 12.0, "runs": 30}}}]},
+    ],
+}
+
+
+def test_bench_latencies_are_keyed_by_the_timed_vmfb_sha256_with_their_eager_ratio(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(BENCH_RESULTS))
+    found = im.read_bench_latencies(path)
+    assert set(found) == {"aa" * 32, "bb" * 32}
+    act = found["aa" * 32]
+    assert (act["vmfb_ms"], act["eager_ms"], act["vs_eager"], act["vs_onnxruntime"]) == (600.0, 400.0, 1.5, 2.4)
+    assert found["bb" * 32]["case"] == "steps=10" and found["bb" * 32]["vs_eager"] == 0.4
+    assert im.read_bench_latencies(tmp_path / "absent.json") == {}
+
+
+def test_a_row_the_bench_timed_takes_its_latency_and_says_so_and_others_keep_their_own(tmp_path):
+    vmfb = tmp_path / "model.vmfb"
+    vmfb.write_bytes(b"module bytes")
+    import hashlib
+
+    sha = hashlib.sha256(b"module bytes").hexdigest()
+    unit = im.Unit("act", {}, tmp_path, [{"vmfb": vmfb}])
+    bench = {sha: {"date": "2026-12-02", "case": "batch=1", "vmfb_ms": 600.0, "eager_ms": 400.0, "vs_eager": 1.5,
+                   "vs_onnxruntime": 2.4, "runs": 30, "light": False, "source": "results.json"}}
+    row = _row("act", measured=dict(MEASURED, module="batch_0"))
+    im.attach_bench(row, unit, bench)
+    cells = [c.strip() for c in _table_rows(im.render_table(dict(DATA, rows=[row])))[0].split("|")[1:-1]]
+    assert cells[11] == "600.0 ms (1.50× eager, 2.40× ORT)"
+    assert cells[12] == "batch_0 (bench 2026-12-02: batch=1)"
+    other = _row("act", measured=dict(MEASURED, module="batch_0"))
+    im.attach_bench(other, unit, {"cc" * 32: bench[sha]})   # another build's timing: not this module's
+    assert other["bench"] is None
+    assert [c.strip() for c in _table_rows(im.render_table(dict(DATA, rows=[other])))[0].split("|")[1:-1]][11] == \
+        "23.33 ms"
