@@ -305,3 +305,17 @@ def test_a_project_subject_is_timed_against_eager_onnx_runtime_and_torch_compile
     assert all(r["parity"]["ok"] for r in runtimes.values()), runtimes
     assert "vs_onnxruntime" in result["goal"]["-"]
     assert len(result["variants"]["tuned"]["vmfb_sha256"]) == 64  # the import matrix matches builds by it
+
+
+def test_update_replaces_only_the_re_measured_rows_and_says_when_each_was_measured():
+    machine = {"cpu": "CPU", "threads": 2, "avx512": False, "system": "Linux", "python": "3.11"}
+    common = {"target": "x86_64-v3", "runs": 30, "warmup": 5, "light": False, "full_size_light": True,
+              "machine": machine, "quant_layers": [], "models": []}
+    previous = dict(common, date="2026-12-01", policies=[{"model": "act", "eager": 1}, {"model": "pi05", "eager": 2}])
+    fresh = dict(common, date="2026-12-02", policies=[{"model": "act", "eager": 3}])
+    merged = bench.merge_results(previous, fresh, "x86_64-v3")
+    assert [(p["model"], p["eager"]) for p in merged["policies"]] == [("act", 3), ("pi05", 2)]
+    assert merged["policies"][1]["measured"] == "2026-12-01" and "(--update)" in merged["policies"][0]["measured"]
+    assert "measured in separate runs" in bench._measured_note(merged)
+    with pytest.raises(DsaError, match="runs=30"):
+        bench.merge_results(previous, dict(fresh, runs=10), "x86_64-v3")
