@@ -61,5 +61,10 @@ def write_json_atomic(path: PathLike, obj) -> None:
 
 
 def read_json(path: PathLike):
+    """JSON from a file; a document nested too deeply for the parser is a ValueError like any other bad JSON."""
     with open(path, "rb") as f:
-        return json.loads(f.read().decode("utf-8"))
+        data = f.read()
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply") from None

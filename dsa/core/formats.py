@@ -79,7 +79,17 @@ class ModuleIndex:
 
     @classmethod
     def read(cls, path: Path) -> "ModuleIndex":
-        return cls.from_json(read_json(path), str(path))
+        return cls.from_json(_read_json_artifact(path, "module index"), str(path))
+
+
+def _read_json_artifact(path, kind: str):
+    """JSON of one of the rule set's files, or a DsaError naming the file (bad JSON, too deep, unreadable)."""
+    try:
+        return read_json(path)
+    except (ValueError, UnicodeError) as e:  # read_json turns a too-deep nesting into a ValueError too
+        raise DsaError(str(path), f"is not a readable {kind}: {str(e)[:200]}", "rebuild it, or copy it again") from None
+    except OSError as e:
+        raise DsaError(str(path), f"cannot be read: {e.strerror or e}", f"pass an existing {kind}") from None
 
 
 class JsonArtifact:
@@ -106,7 +116,7 @@ class JsonArtifact:
 
     @classmethod
     def read(cls, path) -> dict:
-        return cls.check(read_json(path), str(path))
+        return cls.check(_read_json_artifact(path, cls.KIND), str(path))
 
     @classmethod
     def dumps(cls, data: dict) -> bytes:

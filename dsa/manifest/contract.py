@@ -27,6 +27,7 @@ import json
 import math
 import os
 import re
+import stat
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
@@ -67,6 +68,9 @@ _VIEW_FIELDS: Dict[str, Tuple[str, ...]] = {
 
 # Refuse documents whose aliases expand to more values than this (YAML "billion laughs").
 _MAX_VALUES = 100_000
+# A manifest is a few kilobytes; a larger file is refused by its size, before it is read or parsed (a 10 MB YAML
+# document takes minutes and gigabytes to parse).
+MAX_MANIFEST_BYTES = 1 << 20
 _SEMVER = re.compile(SCHEMA["properties"]["schema_version"]["pattern"])
 
 PathLike = Union[str, os.PathLike]
@@ -245,9 +249,20 @@ def _parse(path: PathLike) -> Tuple[Any, Dict[FieldPath, int]]:
     """Reads and parses a manifest file; returns (document, field path → line)."""
     source = str(path)
     try:
-        data = Path(path).read_bytes()
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block or never end
+            raise ManifestError("not a regular file", file=source, hint="pass a YAML manifest file")
+        if info.st_size > MAX_MANIFEST_BYTES:  # checked before anything is read or parsed
+            raise ManifestError(
+                f"the file is {info.st_size} bytes; a manifest is at most {MAX_MANIFEST_BYTES} bytes",
+                file=source, hint="a manifest is a few kilobytes of fields: is this the right file?")
+        with open(path, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as err:
         raise ManifestError(f"cannot read manifest: {err.strerror}", file=source, hint="check the path") from None
+    if len(data) > MAX_MANIFEST_BYTES:  # grew while being read
+        raise ManifestError(f"the file is over {MAX_MANIFEST_BYTES} bytes", file=source,
+                            hint="a manifest is a few kilobytes of fields: is this the right file?")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -77,6 +77,9 @@ BUILD_TYPE = "https://rules-dsa.invalid/dsa_bundle/v1"
 BUILDER_ID = "https://rules-dsa.invalid/dsa_bundle"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+# No member of a bundle may be larger (a full-size VLA's parameter archive is a few GB; the largest
+# parameter archive a 64-bit IREE runtime maps is far above this, a bundle beyond it is a mistake or an attack).
+MAX_MEMBER_BYTES = 64 << 30
 _DIGEST_LINE = re.compile(r"^([0-9a-f]{64})  (\S.*)$")
 
 
@@ -659,9 +662,11 @@ def _read_error(archive: Path, what: str) -> DsaError:
                     "the archive is truncated or corrupted; copy the release again")
 
 
-def _extract(archive: Path, dest: Path) -> Dict[str, Tuple[str, int]]:
+def _extract(archive: Path, dest: Path, listed: Dict[str, dict]) -> Dict[str, Tuple[str, int]]:
     """Extracts the plain-file members into `dest`; returns name → (sha256, size). Refuses links, directories,
-    paths, duplicates, and an archive that does not end exactly where the last member does."""
+    paths, duplicates, sparse members, a member bundle.json does not list or whose declared size is not the
+    listed one (before a byte of it is written: the files' sizes are bounded by bundle.json, read first), and an
+    archive that does not end exactly where the last member does."""
     found: Dict[str, Tuple[str, int]] = {}
     padding: List[Tuple[int, int]] = []  # (offset, length) of each member's zero padding
     end = 0
@@ -675,6 +680,16 @@ def _extract(archive: Path, dest: Path) -> Dict[str, Tuple[str, int]]:
                     raise DsaError(f"{archive}: member '{name}'", f"is {kind}",
                                    "bundles hold plain files at their root only; this archive was not made "
                                    "by dsa_bundle")
+                if member.issparse():
+                    raise DsaError(f"{archive}: member '{name}'", "is a sparse file",
+                                   "bundles hold plain files only; this archive was not made by dsa_bundle")
+                if name != BUNDLE_JSON:
+                    if name not in listed:
+                        raise DsaError(str(archive), f"holds '{name}', which bundle.json does not list",
+                                       "the archive is corrupted or was not made by dsa_bundle")
+                    if member.size != listed[name]["size"]:
+                        raise DsaError(f"{archive}: {name}", f"declares {member.size} bytes, bundle.json records "
+                                       f"{listed[name]['size']}", "the archive is corrupted; copy the release again")
                 source = tar.extractfile(member)
                 digest = hashlib.sha256()
                 size = 0
@@ -732,6 +747,9 @@ def read_bundle_json(archive: Path) -> dict:
         raise _read_error(archive, str(e) or type(e).__name__) from None
     try:
         meta = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise DsaError(f"{archive}: {BUNDLE_JSON}", "is nested too deeply to be a bundle's table",
+                       "this is not a rules_dsa bundle") from None
     except (ValueError, UnicodeError) as e:
         raise DsaError(f"{archive}: {BUNDLE_JSON}", f"is not valid JSON: {e}",
                        "the archive is corrupted; copy the release again") from None
@@ -752,14 +770,20 @@ def extract_bundle(archive: Path, dest: Path) -> OpenedBundle:
     sha, sidecar = check_archive_digest(archive)
     # The format first: every format keeps bundle.json at the root; the rest of the layout is the format's.
     meta = read_bundle_json(archive)
-    dest.mkdir(parents=True, exist_ok=True)
-    found = _extract(archive, dest)
     listed = meta.get("files")
     if not isinstance(listed, dict) or not all(
             isinstance(e, dict) and isinstance(e.get("sha256"), str) and isinstance(e.get("size"), int)
+            and not isinstance(e.get("size"), bool) and 0 <= e["size"] <= MAX_MEMBER_BYTES
             for e in listed.values()) or not isinstance(meta.get("pipeline" if _is_pipeline(meta) else "index"), dict):
         raise DsaError(f"{archive}: {BUNDLE_JSON}", "is malformed: 'files' must map each file to its sha256 "
-                       "and size, 'index' must be the module index", "this is not a bundle dsa_bundle made")
+                       f"and size (at most {MAX_MEMBER_BYTES} bytes), 'index' must be the module index",
+                       "this is not a bundle dsa_bundle made")
+    bad_names = sorted(n for n in listed if not isinstance(n, str) or not _NAME.match(n) or n == BUNDLE_JSON)
+    if bad_names:
+        raise DsaError(f"{archive}: {BUNDLE_JSON}", f"lists '{bad_names[0]}', which is not a plain file name",
+                       "bundles hold plain files at their root only; this is not a bundle dsa_bundle made")
+    dest.mkdir(parents=True, exist_ok=True)
+    found = _extract(archive, dest, listed)
     present = set(found) - {BUNDLE_JSON}
     missing = sorted(set(listed) - present)
     extra = sorted(present - set(listed))
@@ -800,7 +824,64 @@ def extract_bundle(archive: Path, dest: Path) -> OpenedBundle:
         if index != table.get(key):
             raise DsaError(f"{archive}: {table[file_key]}", f"differs from the {key} in bundle.json",
                            "the archive was not made by dsa_bundle")
+    if _is_pipeline(meta):
+        pipeline = meta["pipeline"]
+        named = [("link", pipeline.get("link"))] + [
+            (f"stages[{i}].index", s.get("index") if isinstance(s, dict) else None)
+            for i, s in enumerate(pipeline.get("stages") if isinstance(pipeline.get("stages"), list) else [None])]
+        for field, value in named:
+            if not isinstance(value, str) or value not in listed:
+                raise DsaError(f"{archive}: {meta['pipeline_file']}", f"'{field}' is {value!r}, which is not a file "
+                               "of the bundle", "this archive was not made by dsa_bundle")
+    for table in _stage_tables(meta):
+        _check_index_paths(archive, table["index_file"], table["index"], listed)
+        _check_against_lock(archive, dest, table, found, prefix=f"{table['name']}." if _is_pipeline(meta) else "")
     return OpenedBundle(archive=archive, root=dest, sha256=sha, sidecar=sidecar, meta=meta)
+
+
+def _index_paths(index: dict) -> List[Tuple[str, object]]:
+    """(field, value) of every file a module index names."""
+    paths = [(key, index.get(key)) for key in ("target_spec", "parameter_archive", "runtime_view")]
+    modules = index.get("modules")
+    for i, module in enumerate(modules if isinstance(modules, list) else [None]):
+        for key in ("vmfb", "record"):
+            paths.append((f"modules[{i}].{key}", module.get(key) if isinstance(module, dict) else None))
+    return paths
+
+
+def _check_index_paths(archive: Path, index_file: str, index: dict, listed: Dict[str, dict]) -> None:
+    """Every file the bundle's module index names is one of the bundle's own verified files: not an absolute
+    path, not `../`, nothing outside the archive (the runtime would load native code from there)."""
+    for field, value in _index_paths(index):
+        if not isinstance(value, str) or value not in listed:
+            raise DsaError(f"{archive}: {index_file}", f"'{field}' is {value!r}, which is not a file of the bundle",
+                           "a bundle's module index names only the bundle's own files; this archive was not "
+                           "made by dsa_bundle")
+
+
+def _check_against_lock(archive: Path, dest: Path, table: dict, found: Dict[str, Tuple[str, int]], *,
+                        prefix: str) -> None:
+    """The bundle's files are the ones its recipe lock pins: each artifact the lock lists is in the bundle with
+    the lock's sha256, and so is the manifest (bundle.json alone could be rewritten to match swapped files)."""
+    try:
+        lock = Lock.read(dest / table["lock"])
+    except DsaError as e:
+        raise DsaError(f"{archive}: {table['lock']}", f"is not a readable recipe lock ({e})",
+                       "the archive is corrupted or was not made by dsa_bundle") from None
+    artifacts = lock.get("artifacts")
+    manifest = lock.get("manifest")
+    if not isinstance(artifacts, dict) or not isinstance(manifest, dict):
+        raise DsaError(f"{archive}: {table['lock']}", "is malformed: it has no artifact or manifest digests",
+                       "the archive is corrupted or was not made by dsa_bundle")
+    pinned = {prefix + name: sha for name, sha in artifacts.items()}
+    pinned[table["manifest"]] = manifest.get("sha256")
+    for name, sha in sorted(pinned.items()):
+        got = found.get(name, (None, 0))[0]
+        if got != sha:
+            held = f"has sha256 {got}" if got else "is not in the bundle"
+            raise DsaError(f"{archive}: {name}", f"{held}, the recipe lock pins {sha}",
+                           "the bundle's files are not the ones its lock was built with: it was altered; copy "
+                           "the release again")
 
 
 @contextlib.contextmanager
@@ -810,9 +891,14 @@ def open_bundle(archive: Path) -> Iterator[OpenedBundle]:
         yield extract_bundle(Path(archive), Path(tmp))
 
 
-def release(archive: Path, dest: Path) -> Tuple[Path, Path]:
-    """Verifies `archive`, then copies it and its NAME.sha256 into directory `dest` (created if missing)."""
+def release(archive: Path, dest: Path, *, public_key: Optional[Path] = None) -> Tuple[Path, Path]:
+    """Verifies `archive`, then copies it and its NAME.sha256 into directory `dest` (created if missing). With
+    `public_key`, the archive must carry a valid signature by it (NAME.dsse.json), which is copied too."""
     archive = Path(archive)
+    if public_key is not None:
+        from dsa.runtime.signing import verify_signature
+
+        verify_signature(archive, public_key)
     with open_bundle(archive) as b:
         sha = b.sha256
     dest = Path(dest)
@@ -828,6 +914,11 @@ def release(archive: Path, dest: Path) -> Tuple[Path, Path]:
     digest = sidecar_path(out)
     with atomic_output(digest) as tmp:
         tmp.write_text(digest_line(sha, out.name), encoding="utf-8")
+    if public_key is not None:
+        from dsa.runtime.signing import signature_path
+
+        with atomic_output(signature_path(out)) as tmp:
+            shutil.copyfile(signature_path(archive), tmp)
     return out, digest
 
 
@@ -900,6 +991,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     r = sub.add_parser("release", help="verify a bundle, then copy it and its .sha256 into DEST")
     r.add_argument("bundle")
     r.add_argument("dest", help="directory (created if missing); relative to where `bazel run` was started")
+    r.add_argument("--key", help="the signer's public key (KEY.pub.pem): release only a bundle it signed, and "
+                   "ship the signature beside it")
     a = parser.parse_args(argv)
 
     if a.command == "create" and a.pipeline:
@@ -935,7 +1028,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if a.command == "release":
         # DEST is always relative to where `bazel run` was started (the runfiles tree is no place for it).
         dest = Path(os.environ.get("BUILD_WORKING_DIRECTORY", ".")) / a.dest
-        archive, digest = release(user_path(a.bundle), dest)
+        archive, digest = release(user_path(a.bundle), dest, public_key=user_path(a.key) if a.key else None)
         print(f"released {archive} and {digest.name}: sha256 {digest.read_text(encoding='utf-8').split()[0]}")
         return
     with open_bundle(user_path(a.bundle)) as b:

@@ -64,8 +64,14 @@ def read_module_index(path: Path) -> dict:
 
 
 class CompiledPolicy:
-    def __init__(self, index_path: Path, driver: Optional[str] = None):
+    """A model's compiled modules and parameters, run from host arrays. Every input is checked against the
+    export record before the module is called (`check_input`): the compiled code trusts its arguments, so a
+    token id past the embedding table reads out of bounds or crashes the process. NaN and ±Inf in a float
+    input are refused unless `allow_nonfinite`."""
+
+    def __init__(self, index_path: Path, driver: Optional[str] = None, *, allow_nonfinite: bool = False):
         index_path = Path(index_path)
+        self.allow_nonfinite = allow_nonfinite
         index = read_module_index(index_path)
         base = index_path.parent
         self.index = index
@@ -116,9 +122,19 @@ class CompiledPolicy:
             rt = self._rt
             # Copied, not mmapped: VmModule.mmap maps the file writable, which fails on read-only
             # locations such as Bazel's runfiles.
-            vm_module = rt.VmModule.copy_buffer(self._instance, module.vmfb.read_bytes())
-            context = rt.VmContext(self._instance, modules=[self._hal_module, self._param_module, vm_module])
-            function = vm_module.lookup_function(module.record["function"])
+            data = module.vmfb.read_bytes()
+            check_vmfb(module.vmfb, data)
+            try:
+                vm_module = rt.VmModule.copy_buffer(self._instance, data)
+                context = rt.VmContext(self._instance, modules=[self._hal_module, self._param_module, vm_module])
+                function = vm_module.lookup_function(module.record["function"])
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise DsaError(str(module.vmfb), f"is not a loadable IREE module for this runtime: "
+                               f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__}",
+                               "rebuild it, or copy the release again") from None
+            if function is None:
+                raise DsaError(str(module.vmfb), f"has no function '{module.record['function']}'",
+                               "the module and its export record are from different builds: rebuild")
             module._invoker = rt.FunctionInvoker(context, self._device, function)
         return module._invoker
 
@@ -159,7 +175,7 @@ class CompiledPolicy:
             if spec["name"] not in inputs:
                 raise DsaError(f"{self.model_id}: input", f"missing input '{spec['name']}'",
                                f"provide: {', '.join(s['name'] for s in module.record['inputs'])}")
-            value = np.asarray(inputs[spec["name"]], dtype=spec["dtype"])
+            value = check_input(self.model_id, spec, inputs[spec["name"]], allow_nonfinite=self.allow_nonfinite)
             target = spec["shape"]
             if value.ndim != len(target):
                 raise DsaError(f"{self.model_id}: input '{spec['name']}'",
@@ -177,11 +193,6 @@ class CompiledPolicy:
                     pad.append((0, 0))
             if any(p[1] for p in pad):
                 value = np.pad(value, pad, constant_values=spec.get("pad_value", 0))
-            if "value_range" in spec:
-                lo, hi = spec["value_range"]
-                if not lo <= int(value) <= hi:
-                    raise DsaError(f"{self.model_id}: input '{spec['name']}'",
-                                   f"is {int(value)}, outside the supported range [{lo}, {hi}]")
             args.append(value if value.flags.c_contiguous else value.copy(order="C"))
         return args
 
@@ -206,6 +217,64 @@ class CompiledPolicy:
             outputs, module = self.run(inputs)
             latencies.append((time.perf_counter() - start) * 1e3)
         return outputs, module, latencies
+
+
+def check_vmfb(vmfb: Path, data: bytes) -> None:
+    """A vmfb is the one its compile report (X.compile_report.json beside X.vmfb, written by the same build)
+    names by sha256: another bucket's module, another build's, or garbage is refused before IREE loads it
+    (native code; a module of another bucket would be called with arguments of the wrong shapes)."""
+    import hashlib
+
+    report = vmfb.with_name(vmfb.name[: -len(".vmfb")] + ".compile_report.json") if vmfb.name.endswith(".vmfb") \
+        else None
+    if report is None or not report.is_file():
+        return
+    from dsa.core.formats import CompileReport
+
+    want = CompileReport.read(report).get("vmfb_sha256")
+    got = hashlib.sha256(data).hexdigest()
+    if want is not None and got != want:
+        raise DsaError(str(vmfb), f"has sha256 {got}: it is not the vmfb its compile report names ({want})",
+                       "the module was replaced or damaged: rebuild it, or copy the release again")
+
+
+def check_input(model_id: str, spec: dict, given, *, allow_nonfinite: bool = False) -> np.ndarray:
+    """One input as the array the module takes (its recorded dtype), or a DsaError naming the input: a value
+    that is not numbers (strings, objects), a fractional or out-of-range value for an integer input (outside
+    `value_domain` — token ids in [0, vocab), a mask in [0, 1] — or a scalar's `value_range`, the step count),
+    NaN/±Inf in a float input unless `allow_nonfinite`. Shapes are checked by the caller (buckets pad them)."""
+    where = f"{model_id}: input '{spec['name']}'"
+    want = np.dtype(spec["dtype"])
+    try:
+        array = np.asarray(given)
+    except (ValueError, TypeError) as e:
+        raise DsaError(where, f"is not an array of numbers ({e})", f"pass a {spec['dtype']} array") from None
+    if array.dtype.kind not in "biuf":
+        raise DsaError(where, f"holds {array.dtype} values, not numbers", f"pass a {spec['dtype']} array")
+    if want.kind in "iub":
+        if array.dtype.kind == "f":
+            if not np.all(np.isfinite(array)) or np.any(array != np.round(array)):
+                raise DsaError(where, "holds non-integer values", f"pass integer {spec['dtype']} values")
+            if array.size and (array.min() < np.iinfo(np.int64).min or array.max() > np.iinfo(np.int64).max):
+                raise DsaError(where, "holds values outside the int64 range", f"pass {spec['dtype']} values")
+        bounds = spec.get("value_domain") or spec.get("value_range")
+        if bounds is not None and array.size:
+            lo, hi = int(bounds[0]), int(bounds[1])
+            low, high = array.min(), array.max()
+            if low < lo or high > hi:
+                bad = low if low < lo else high
+                what = "vocabulary" if "value_domain" in spec and hi > 1 else "range"
+                size = f" (size {hi + 1})" if what == "vocabulary" and lo == 0 else ""
+                raise DsaError(where, f"holds {int(bad)}, outside the supported {what} [{lo}, {hi}]{size}",
+                               f"pass values in [{lo}, {hi}]")
+        return np.asarray(array, dtype=want)
+    value = np.asarray(array, dtype=want)
+    if not allow_nonfinite and value.size and not np.all(np.isfinite(value)):
+        count = int(value.size - np.count_nonzero(np.isfinite(value)))
+        raise DsaError(where, f"holds {count} NaN or infinite value{'s' if count != 1 else ''}",
+                       "check the sensor and preprocessing that produced it (or opt in: allow_nonfinite / "
+                       "--allow-nonfinite)")
+    return value
 
 
 def sample_inputs(record: dict, sizes: Dict[str, int], rng: np.random.Generator) -> Dict[str, np.ndarray]:

@@ -23,15 +23,113 @@ from dsa.core.errors import DsaError, run_cli
 from dsa.runtime.policy import CompiledPolicy, sample_inputs
 
 
-def _load_observation(path: Path) -> dict:
-    if path.suffix == ".npz":
-        with np.load(path) as data:
-            return {k: data[k] for k in data.files}
-    if path.suffix == ".safetensors":
-        from safetensors.numpy import load_file
+# No observation input may be larger than this, whatever its record allows (a dynamic batch is exported with a
+# bound of 65536): a robot's observation is megabytes, and an input this size is a mistake or an attack.
+MAX_INPUT_BYTES = 1 << 30
+NPY_HEADER_BYTES = 1 << 16   # room for a .npy header (numpy writes 128 bytes; allow a long one)
 
-        return load_file(str(path))
-    raise DsaError(str(path), "unknown observation format", "use a .npz or .safetensors file")
+
+def input_bounds(policy: CompiledPolicy) -> dict:
+    """name → the most bytes the policy's largest module takes for that input (dynamic dims at their exported
+    maximum, bucketed dims at the largest bucket), capped at MAX_INPUT_BYTES."""
+    module = policy.modules[-1]
+    dynamic = module.record.get("dynamic_dims") or {}
+    bounds = {}
+    for spec in module.record["inputs"]:
+        count = 1
+        for dim in spec["shape"]:
+            count *= int(dim) if not isinstance(dim, str) else int(dynamic.get(dim, {}).get("max", 1))
+        bounds[spec["name"]] = min(count * np.dtype(spec["dtype"]).itemsize, MAX_INPUT_BYTES)
+    return bounds
+
+
+def load_observation(path: Path, policy: CompiledPolicy) -> dict:
+    """An observation file (.npz or .safetensors, one array per input), bounded before anything is read into
+    memory: a regular file (not a FIFO or device, which would block or never end), no member but the policy's
+    inputs, each member's declared size within what the policy takes for it (an .npz member's size is its
+    uncompressed size, so a small archive cannot expand to gigabytes), no pickled objects."""
+    import stat
+    import zipfile
+
+    where = str(path)
+    try:
+        info = path.stat()
+    except OSError as e:
+        raise DsaError(where, f"cannot be read: {e.strerror}", "pass an existing .npz or .safetensors file") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise DsaError(where, "is not a regular file", "pass an .npz or .safetensors file")
+    bounds = input_bounds(policy)
+    expected = ", ".join(bounds)
+
+    def check_member(name: str, nbytes: int, slack: int) -> None:
+        if name not in bounds:
+            raise DsaError(where, f"holds '{name}', which is not an input of {policy.model_id}",
+                           f"the inputs are: {expected}")
+        if nbytes > bounds[name] + slack:
+            raise DsaError(where, f"member '{name}' is {nbytes} bytes, more than the {bounds[name]} bytes the "
+                           f"input takes at its largest", "pass one observation at the model's input shapes")
+
+    if path.suffix == ".npz":
+        try:
+            archive = zipfile.ZipFile(path)
+        except (zipfile.BadZipFile, OSError) as e:
+            raise DsaError(where, f"is not a readable .npz archive: {e}", "write it with numpy.savez") from None
+        with archive:
+            members = [(m.filename[:-4] if m.filename.endswith(".npy") else m.filename, m)
+                       for m in archive.infolist()]
+            for name, member in members:  # every declared size first: nothing is decompressed yet
+                check_member(name, member.file_size, NPY_HEADER_BYTES)
+            values = {}
+            for name, member in members:
+                try:
+                    with archive.open(member) as f:
+                        values[name] = _read_npy(f, bounds[name])
+                except DsaError as e:
+                    raise DsaError(f"{where}: member '{name}'", e.message, e.hint) from None
+                except (ValueError, OSError, zipfile.BadZipFile, EOFError, RuntimeError) as e:
+                    raise DsaError(f"{where}: member '{name}'", f"is not a plain numeric array: {e}",
+                                   "write plain arrays with numpy.savez (no objects, no pickles)") from None
+            return values
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        if info.st_size > sum(bounds.values()) + NPY_HEADER_BYTES:
+            raise DsaError(where, f"is {info.st_size} bytes, more than the policy's inputs take",
+                           "pass one observation at the model's input shapes")
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                values = {}
+                for name in f.keys():
+                    check_member(name, 0, 0)
+                    values[name] = f.get_tensor(name)
+                return values
+        except (SafetensorError, ValueError, OSError) as e:
+            raise DsaError(where, f"is not a readable .safetensors file: {e}", "write it with safetensors") from None
+    raise DsaError(where, "unknown observation format", "use a .npz or .safetensors file")
+
+
+def _read_npy(f, bound: int) -> np.ndarray:
+    """One .npy array from a stream, its header checked before its data is read or allocated: a plain numeric
+    dtype (no objects: no pickles) and at most `bound` bytes (a header may declare any shape)."""
+    version = np.lib.format.read_magic(f)
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    if version not in readers:
+        raise DsaError("", f"is .npy format {version[0]}.{version[1]}, not 1.0 or 2.0", "write it with numpy.savez")
+    shape, fortran, dtype = readers[version](f)
+    if dtype.hasobject or dtype.kind not in "biuf":
+        raise DsaError("", f"holds {dtype} values (objects or pickles are never loaded)",
+                       "write plain numeric arrays with numpy.savez")
+    count = 1
+    for n in shape:
+        count *= int(n)
+    nbytes = count * dtype.itemsize
+    if nbytes > bound:
+        raise DsaError("", f"declares shape {list(shape)}: {nbytes} bytes, more than the {bound} bytes the input "
+                       "takes at its largest", "pass one observation at the model's input shapes")
+    data = f.read(nbytes)
+    if len(data) != nbytes:
+        raise DsaError("", f"ends after {len(data)} of its {nbytes} bytes", "write it again with numpy.savez")
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C").copy()
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -45,33 +143,65 @@ def main(argv: Optional[List[str]] = None) -> None:
                         "the manifest's flow_steps)")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs after one warm-up run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated sample")
+    parser.add_argument("--require-signature", metavar="KEY.pub.pem",
+                        help="with --bundle: refuse it unless NAME.dsse.json beside it is a valid signature of "
+                             "this archive by this public key (dsa sign)")
+    parser.add_argument("--allow-nonfinite", action="store_true",
+                        help="pass NaN/Inf in float inputs to the module (refused by default)")
     a = parser.parse_args(argv)
+    if a.repeats < 1 or a.repeats > 100000:
+        raise DsaError("--repeats", f"{a.repeats} is not a number of runs in [1, 100000]")
+    if a.prompt_len is not None and a.prompt_len < 1:
+        raise DsaError("--prompt-len", f"{a.prompt_len} is not a positive length")
 
     if a.index:
+        if a.require_signature:
+            raise DsaError("--require-signature", "applies to --bundle only: a build tree is not signed",
+                           "run the signed release bundle")
         _run(a, Path(a.index))
         return
     from dsa.runtime.bundle import open_bundle, user_path  # only --bundle needs it
 
-    with open_bundle(user_path(a.bundle)) as bundle:
+    archive = user_path(a.bundle)
+    if a.require_signature:  # before the archive is extracted or anything in it is loaded
+        from dsa.runtime.signing import signature_path, verify_signature
+
+        verify_signature(archive, user_path(a.require_signature))
+        print(f"signature {signature_path(archive).name}: verified with {a.require_signature}")
+    with open_bundle(archive) as bundle:
         print(bundle.describe())
         _run(a, bundle.index_path)
 
 
 def _run(a: argparse.Namespace, index: Path) -> None:
-    policy = CompiledPolicy(index)
+    policy = CompiledPolicy(index, allow_nonfinite=a.allow_nonfinite)
     runtime_view = policy.runtime_view
     record = policy.modules[0].record
     if a.observation:
-        observation = _load_observation(Path(a.observation))
+        observation = load_observation(Path(a.observation), policy)
     else:
         sizes = {}
         if a.prompt_len is not None:
-            sizes = {dim: a.prompt_len for dim in policy.buckets()}
+            buckets = policy.buckets()
+            largest = max((max(sizes) for sizes in buckets.values()), default=None)
+            if largest is None:
+                raise DsaError("--prompt-len", f"{policy.model_id} has no shape buckets to size",
+                               "leave --prompt-len out")
+            if a.prompt_len > largest:  # before the sample is allocated
+                raise DsaError("--prompt-len", f"{a.prompt_len} is longer than the largest bucket ({largest}; "
+                               f"buckets: {buckets})", f"pass at most {largest}")
+            sizes = {dim: a.prompt_len for dim in buckets}
         observation = sample_inputs(record, sizes, np.random.default_rng(a.seed))
     step_input = next((s["name"] for s in record["inputs"] if "value_range" in s), None)
     steps_list = a.steps or [runtime_view["flow_steps"]]
     print(f"model {policy.model_id} on {policy.index['target']} ({policy.driver}); "
           f"buckets {policy.buckets() or 'none'}")
+    if step_input:
+        lo, hi = next(s["value_range"] for s in record["inputs"] if s["name"] == step_input)
+        for steps in steps_list:
+            if not lo <= steps <= hi:
+                raise DsaError("--steps", f"{steps} is outside the supported range [{lo}, {hi}]",
+                               f"pass flow steps in [{lo}, {hi}]")
     for steps in steps_list:
         if step_input:
             observation[step_input] = np.array(steps, dtype=np.int64)

@@ -17,6 +17,7 @@ import argparse
 import collections
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -46,6 +47,7 @@ def load_entry_point(entry_point: str, pythonpath: Sequence[str] = ()):
     module_name, _, function_name = entry_point.partition(":")
     if not module_name or not function_name:
         raise DsaError("model.entry_point", f"'{entry_point}' is not of the form package.module:function")
+    check_entry_point_origin(entry_point, module_name)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -56,9 +58,42 @@ def load_entry_point(entry_point: str, pythonpath: Sequence[str] = ()):
                     f"(dsa_policy does so for a LeRobot policy)")
         raise DsaError("model.entry_point", f"cannot import '{module_name}': {e}", hint) from None
     try:
-        return getattr(module, function_name)
+        function = getattr(module, function_name)
     except AttributeError:
         raise DsaError("model.entry_point", f"module '{module_name}' has no function '{function_name}'") from None
+    defined_in = getattr(function, "__module__", None) or ""
+    if not inspect.isfunction(function) or not (defined_in == module_name or defined_in.startswith(module_name + ".")):
+        raise DsaError("model.entry_point", f"'{entry_point}' is not a Python function defined in the model's "
+                       f"module (it is {type(function).__name__} from {defined_in or 'nowhere'})",
+                       "name the model's own export-spec function (docs/security.md: what is code)")
+    return function
+
+
+# Where an entry point may come from (docs/security.md): model code on the model path, or a front end of the rule
+# set. The standard library, builtins and installed packages are refused before anything is imported: a
+# manifest is data, and `builtins:exec` or `os:system` would make it code.
+def check_entry_point_origin(entry_point: str, module_name: str) -> None:
+    top = module_name.split(".")[0]
+    refuse = None
+    if top == "dsa":
+        if not module_name.startswith("dsa.frontends."):
+            refuse = "a module of the rule set itself, not a front end (dsa.frontends.*)"
+    elif top in sys.builtin_module_names or top in getattr(sys, "stdlib_module_names", ()):
+        refuse = "the Python standard library"
+    else:
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            spec = None
+        origin = (spec.origin or "") if spec is not None else ""
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        if any(part in ("site-packages", "dist-packages") for where in [origin, *locations]
+               for part in Path(where).parts):
+            refuse = "an installed package, not model code"
+    if refuse:
+        raise DsaError("model.entry_point", f"'{entry_point}' is {refuse}",
+                       "name a function of the model's own package (on the model path: the rule's deps or "
+                       "--pythonpath), or a rules_dsa front end (docs/security.md)")
 
 
 def model_source_files(entry_point: str, pythonpath: Sequence[str]) -> List[str]:
@@ -375,6 +410,8 @@ def export_model(
             entry_input["value_range"] = list(s.value_range)
         if s.sample_range is not None:
             entry_input["sample_range"] = list(s.sample_range)
+        if s.value_domain is not None:
+            entry_input["value_domain"] = list(s.value_domain)
         inputs.append(entry_input)
     output_node = next(n for n in exported.graph.nodes if n.op == "output")
     out_vals = [a.meta["val"] for a in output_node.args[0]]

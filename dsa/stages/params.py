@@ -95,10 +95,20 @@ def build_params(
         raise DsaError(str(checkpoint), "; ".join(parts),
                        "use a checkpoint of the same architecture as the manifest's model.config")
 
+    allow_nonfinite = bool(view["checkpoint"].get("allow_nonfinite", False))
     index = rt.ParameterIndex()
     for name in sorted(wanted):
         tensor = handle.get_tensor(name)
         want = wanted[name]
+        if tensor.is_floating_point() and not allow_nonfinite and tensor.numel():
+            finite = torch.isfinite(tensor)
+            if not bool(finite.all()):
+                count = int(tensor.numel() - finite.sum())
+                raise DsaError(f"{checkpoint}: tensor '{name}'",
+                               f"holds {count} NaN or infinite value{'s' if count != 1 else ''}: a policy with such "
+                               "weights outputs NaN actions",
+                               f"use a healthy checkpoint (or set checkpoint.allow_nonfinite: true in "
+                               f"{manifest_name} to pack it as it is)")
         dtype = DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
         if list(tensor.shape) != want["shape"] or dtype != want["dtype"]:
             raise DsaError(

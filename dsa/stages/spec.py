@@ -40,6 +40,10 @@ class InputSpec:
     # Inclusive range of plausible values of an integer tensor input (token ids, a 0/1 mask), used for
     # example and sample inputs.
     sample_range: Optional[Tuple[int, int]] = None
+    # Inclusive range every value of an integer tensor input must lie in (token ids: [0, vocab - 1], a mask:
+    # [0, 1]): the runtime refuses any other value before it calls the module, where an embedding lookup
+    # outside its table would read out of bounds or crash.
+    value_domain: Optional[Tuple[int, int]] = None
     # Value that fills the padded part of a dynamic axis when the runner pads up to a shape bucket.
     pad_value: float = 0
 

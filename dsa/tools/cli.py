@@ -5,6 +5,8 @@
     dsa compile --manifest M --out DIR      the whole pipeline: export, params, compile, lock
     dsa manifest validate|explain|project   check a manifest, say which stage each field affects, write a view
     dsa bundle create|verify|list|release   make, check, list or ship a release bundle
+    dsa keygen KEY | dsa sign BUNDLE --key KEY.pem | dsa verify BUNDLE [--key KEY.pub.pem]
+                                            sign a bundle (ed25519, DSSE) and check it and its signature
     dsa diff A.tar B.tar [--json]           which inputs and artifacts changed between two bundles
     dsa link link|run                       check a split policy's edges; run a linked pipeline
     dsa profile --manifest M ...            the top dispatches, with their source ops and modules
@@ -28,6 +30,9 @@ from typing import Dict, List, Optional
 # command → the module whose `__main__` it runs.
 COMMANDS: Dict[str, str] = {
     "run": "dsa.runtime.run",
+    "keygen": "dsa.runtime.signing",
+    "sign": "dsa.runtime.signing",
+    "verify": "dsa.runtime.signing",
     "compile": "dsa.tools.pipeline",
     "manifest": "dsa.manifest.contract",
     "bundle": "dsa.runtime.bundle",
@@ -62,6 +67,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit(2)
     if command == "run" and rest and not rest[0].startswith("-"):
         rest = ["--bundle"] + rest  # `dsa run BUNDLE.tar ...`
+    if COMMANDS[command] == "dsa.runtime.signing":
+        rest = [command] + rest  # one module, three subcommands
     if os.environ.get("BUILD_WORKING_DIRECTORY"):
         os.chdir(os.environ["BUILD_WORKING_DIRECTORY"])  # `bazel run //:dsa`: paths as the caller wrote them
     sys.argv = [f"dsa {command}"] + rest

@@ -18,6 +18,7 @@ import argparse
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -35,7 +36,32 @@ from dsa.stages.params import build_params, check_checkpoint_digest
 from dsa.tools.stage_process import StageRunner
 
 
-def run_pipeline(
+def run_pipeline(manifest_path: Path, out: Path, **options) -> List[Path]:
+    """Builds every artifact of the manifest's model into `out`; returns the module index of each target (see
+    build_into). Everything is written into a staging directory beside `out` and swapped into place only when
+    the whole build succeeded: `out` is then either the earlier complete output or the new one, never a mix
+    that `dsa run --index` would run (a failed or interrupted build leaves the earlier output as it was)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DsaError("--out", f"{out} is a file, not an output directory", "pass a directory path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    try:
+        indexes = build_into(manifest_path, staging, **options)
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / out.name)
+        os.rename(staging, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return [out / index.relative_to(staging) for index in indexes]
+
+
+def build_into(
     manifest_path: Path,
     out: Path,
     *,
@@ -48,8 +74,8 @@ def run_pipeline(
     policy_config: Optional[Path] = None,
     tuning_dir: Optional[Path] = None,
 ) -> List[Path]:
-    """Builds every artifact of the manifest's model into `out`; returns the module index of each target.
-    Beside each index lies `<target>.lock.json`, the same recipe lock the Bazel rules write.
+    """Builds every artifact of the manifest's model into the (empty) directory `out`; returns the module index
+    of each target. Beside each index lies `<target>.lock.json`, the same recipe lock the Bazel rules write.
 
     `tuning` maps a target name to the tuning file to compile it with; a target without one compiles with
     `tuning_dir/<family>.<target>.json` when the manifest names its tuning family, else with the target
@@ -69,19 +95,22 @@ def run_pipeline(
     write_json_atomic(out / "runtime_view.json", project(manifest, "runtime"))
 
     if checkpoint is None:
-        checkpoint = manifest_path.parent / manifest["checkpoint"]["path"]
         if seeded_checkpoint is not None:
             checkpoint = out / "checkpoint.safetensors"
             stage("checkpoint", make_checkpoint, export_view, checkpoint, seed=seeded_checkpoint,
                   pythonpath=pythonpath)
-    if not checkpoint.exists():
-        raise DsaError(f"{name}: checkpoint.path", f"no checkpoint at {checkpoint}",
-                       "pass --checkpoint FILE, or --seeded-checkpoint SEED for a generated stand-in")
+        else:
+            checkpoint = manifest_file(manifest_path, manifest["checkpoint"]["path"], "checkpoint.path",
+                                       "pass --checkpoint FILE, or --seeded-checkpoint SEED for a generated "
+                                       "stand-in")
+    elif not checkpoint.is_file():
+        raise DsaError("--checkpoint", f"{checkpoint} is not a regular file", "pass a .safetensors file")
 
     check_checkpoint_digest(checkpoint, params_view, name)  # before the export: it can take minutes
     if policy_config is None and "policy_config" in manifest["model"]:
         # framework lerobot: the policy's config.json, relative to the manifest
-        policy_config = manifest_path.parent / manifest["model"]["policy_config"]["path"]
+        policy_config = manifest_file(manifest_path, manifest["model"]["policy_config"]["path"],
+                                      "model.policy_config.path", "pass --policy-config FILE")
     entry_point = export_view["model"]["entry_point"]
     sources = {}
     for rel in model_source_files(entry_point, pythonpath):
@@ -154,6 +183,25 @@ def run_pipeline(
         indexes.append(index)
     write_timings(out / "timings.json", stage.timings, time.monotonic() - started)
     return indexes
+
+
+def manifest_file(manifest_path: Path, relative: str, field: str, hint: str) -> Path:
+    """A file a manifest names relative to itself: a relative path that stays inside the manifest's directory
+    (no absolute path, no `..` out of it) to a regular file, so a manifest cannot make the build read
+    /etc/shadow, block on a FIFO or read /dev/zero forever. A file elsewhere is passed explicitly
+    (--checkpoint, --policy-config, or the Bazel rule's label). A symlink placed inside the directory is the
+    user's own choice and is followed."""
+    where = f"{manifest_path}: {field}"
+    normal = os.path.normpath(relative)
+    if os.path.isabs(relative) or normal == ".." or normal.startswith(".." + os.sep):
+        raise DsaError(where, f"'{relative}' leaves the manifest's directory",
+                       f"keep it beside the manifest, or {hint}")
+    path = manifest_path.parent / normal
+    if not path.exists():
+        raise DsaError(where, f"no file at {path}", hint)
+    if not path.is_file():
+        raise DsaError(where, f"{path} is not a regular file", hint)
+    return path
 
 
 def _stage_runner():

@@ -97,8 +97,9 @@ def backbone_spec(view: dict, dims: dict) -> ExportSpec:
     specs = [InputSpec(c["name"], tuple([1] + list(c["shape"])), "float32") for c in inputs["cameras"]]
     specs += [
         InputSpec("prompt_tokens", (1, length), "int64", pad_value=inputs["prompt"]["pad_id"],
-                  sample_range=(1, inputs["prompt"]["vocab_size"] - 1)),
-        InputSpec("prompt_mask", (1, length), "int64", sample_range=(1, 1)),
+                  sample_range=(1, inputs["prompt"]["vocab_size"] - 1),
+                  value_domain=(0, inputs["prompt"]["vocab_size"] - 1)),
+        InputSpec("prompt_mask", (1, length), "int64", sample_range=(1, 1), value_domain=(0, 1)),
     ]
     return ExportSpec(module=GrootBackbone(view), inputs=specs, outputs=["backbone_features", "backbone_mask"])
 

@@ -327,8 +327,10 @@ def export_spec(view: dict, dims: dict) -> ExportSpec:
         InputSpec(
             "prompt_tokens", (1, prompt_len), "int64", dynamic={1: "prompt_len"},
             pad_value=inputs["prompt"]["pad_id"], sample_range=(1, vocab - N_ACTION_BINS - 1),
+            value_domain=(0, vocab - 1),
         ),
-        InputSpec("prompt_mask", (1, prompt_len), "int64", dynamic={1: "prompt_len"}, sample_range=(1, 1)),
+        InputSpec("prompt_mask", (1, prompt_len), "int64", dynamic={1: "prompt_len"}, sample_range=(1, 1),
+                  value_domain=(0, 1)),
     ]
     return ExportSpec(
         module=OpenVlaPolicy(view),

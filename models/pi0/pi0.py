@@ -238,8 +238,10 @@ def export_spec(view: dict, dims: dict) -> ExportSpec:
         InputSpec(
             "prompt_tokens", (1, prompt_len), "int64", dynamic={1: "prompt_len"},
             pad_value=inputs["prompt"]["pad_id"], sample_range=(1, inputs["prompt"]["vocab_size"] - 1),
+            value_domain=(0, inputs["prompt"]["vocab_size"] - 1),
         ),
-        InputSpec("prompt_mask", (1, prompt_len), "int64", dynamic={1: "prompt_len"}, sample_range=(1, 1)),
+        InputSpec("prompt_mask", (1, prompt_len), "int64", dynamic={1: "prompt_len"}, sample_range=(1, 1),
+                  value_domain=(0, 1)),
         InputSpec("state", (1, inputs["state"]["dim"]), "float32"),
         InputSpec("noise", (1, chunk, action_dim), "float32"),
         InputSpec("steps", (), "int64", value_range=(1, 1000)),

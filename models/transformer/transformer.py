@@ -60,8 +60,9 @@ def export_spec(view: dict, dims: dict) -> ExportSpec:
     seq = view["model"]["config"]["seq_len"]
     specs = [
         InputSpec("prompt_tokens", (1, seq), "int64", pad_value=inputs["prompt"]["pad_id"],
-                  sample_range=(1, inputs["prompt"]["vocab_size"] - 1)),
-        InputSpec("prompt_mask", (1, seq), "int64", sample_range=(1, 1)),
+                  sample_range=(1, inputs["prompt"]["vocab_size"] - 1),
+                  value_domain=(0, inputs["prompt"]["vocab_size"] - 1)),
+        InputSpec("prompt_mask", (1, seq), "int64", sample_range=(1, 1), value_domain=(0, 1)),
         InputSpec("state", (1, inputs["state"]["dim"]), "float32"),
     ]
     return ExportSpec(module=TransformerPolicy(view), inputs=specs, outputs=["actions"])

@@ -16,6 +16,7 @@ from jsonschema import Draft202012Validator
 
 import dsa.manifest.contract
 from dsa.manifest.contract import (
+    MAX_MANIFEST_BYTES,
     SCHEMA,
     ManifestError,
     dump_json,
@@ -322,3 +323,22 @@ def test_corpus(name, targets_dir):
     assert "Traceback" not in result.stderr
     assert result.returncode == 2
     assert result.stderr == EXPECTED[name] + "\n"
+
+
+def test_a_manifest_over_the_size_cap_is_refused_by_its_size_before_parsing(tmp_path):
+    big = tmp_path / "big.yaml"
+    text = PI0.read_text()
+    big.write_text(text + "# padding\n" * ((MAX_MANIFEST_BYTES // 10) + 1))
+    result = run_cli("validate", big)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"a manifest is at most {MAX_MANIFEST_BYTES} bytes" in result.stderr
+
+
+def test_a_fifo_or_device_manifest_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "manifest.yaml"
+    os.mkfifo(fifo)  # reading it would block until a writer comes
+    for path in (fifo, Path("/dev/zero")):
+        result = subprocess.run([sys.executable, "-m", "dsa.manifest.contract", "validate", str(path)],
+                                capture_output=True, text=True, timeout=60,
+                                env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(PACKAGE_ROOT)] + sys.path)))
+        assert result.returncode == 2 and "not a regular file" in result.stderr, result.stderr

@@ -357,8 +357,9 @@ def export(view: dict, policy, loop: str, batch: int):
     inputs = [InputSpec(k, (batch,) + feature_shape(cfg, k), "float32", dynamic=dyn) for k in keys]
     inputs += [
         InputSpec(OBS_LANGUAGE_TOKENS, (batch, length), "int64", dynamic=dyn, sample_range=(0, vocab - 1),
-                  pad_value=pad_id),
-        InputSpec(OBS_LANGUAGE_ATTENTION_MASK, (batch, length), "int64", dynamic=dyn, sample_range=(1, 1)),
+                  value_domain=(0, vocab - 1), pad_value=pad_id),
+        InputSpec(OBS_LANGUAGE_ATTENTION_MASK, (batch, length), "int64", dynamic=dyn, sample_range=(1, 1),
+                  value_domain=(0, 1)),
         InputSpec("noise", (batch, cfg.chunk_size, cfg.max_action_dim), "float32", dynamic=dyn),
     ]
     if loop == "kept":
