@@ -236,7 +236,7 @@ def test_a_repack_with_format_1_reads(opened, tmp_path):
 def test_unlisted_missing_and_unsafe_members_are_refused(opened, tmp_path):
     def drop(meta):
         del meta["files"]["target_spec.json"]
-    _refused(repack(opened.root, tmp_path / "a.tar", drop), "unlisted target_spec.json")
+    _refused(repack(opened.root, tmp_path / "a.tar", drop), "holds 'target_spec.json', which bundle.json does not list")
 
     def ghost(meta):
         meta["files"]["ghost.bin"] = {"sha256": "0" * 64, "size": 1}

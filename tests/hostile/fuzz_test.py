@@ -175,11 +175,11 @@ ARRAYS = st.one_of(
 
 
 @SETTINGS
-@given(st.dictionaries(st.sampled_from(NAMES), ARRAYS, max_size=5), st.booleans())
-def test_any_npz_observation_is_loaded_and_checked_or_refused_with_a_dsa_error(policy, arrays, pickled):
+@given(st.dictionaries(st.sampled_from(NAMES), ARRAYS, max_size=5))
+def test_any_npz_observation_is_loaded_and_checked_or_refused_with_a_dsa_error(policy, arrays):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "obs.npz"
-        np.savez(path, allow_pickle=pickled, **arrays)
+        np.savez(path, allow_pickle=True, **arrays)  # object arrays are written pickled: the reader must refuse
         try:
             values = load_observation(path, policy)
             for spec in policy.input_specs:
