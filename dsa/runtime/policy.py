@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from dsa.core.errors import DsaError
-from dsa.core.fileio import read_json
+from dsa.core.fileio import read_json, sha256_bytes
 from dsa.runtime.host import check_host
 
 from dsa.core.formats import INDEX_FORMAT, PARAMETER_METADATA_PREFIX, ExportRecord, ModuleIndex  # noqa: F401 (re-exported)
@@ -223,8 +223,6 @@ def check_vmfb(vmfb: Path, data: bytes) -> None:
     """A vmfb is the one its compile report (X.compile_report.json beside X.vmfb, written by the same build)
     names by sha256: another bucket's module, another build's, or garbage is refused before IREE loads it
     (native code; a module of another bucket would be called with arguments of the wrong shapes)."""
-    import hashlib
-
     report = vmfb.with_name(vmfb.name[: -len(".vmfb")] + ".compile_report.json") if vmfb.name.endswith(".vmfb") \
         else None
     if report is None or not report.is_file():
@@ -232,7 +230,7 @@ def check_vmfb(vmfb: Path, data: bytes) -> None:
     from dsa.core.formats import CompileReport
 
     want = CompileReport.read(report).get("vmfb_sha256")
-    got = hashlib.sha256(data).hexdigest()
+    got = sha256_bytes(data)
     if want is not None and got != want:
         raise DsaError(str(vmfb), f"has sha256 {got}: it is not the vmfb its compile report names ({want})",
                        "the module was replaced or damaged: rebuild it, or copy the release again")

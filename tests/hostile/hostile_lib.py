@@ -8,7 +8,6 @@ import resource
 import subprocess
 import sys
 from pathlib import Path
-from typing import Sequence
 
 import dsa
 
@@ -42,6 +41,3 @@ def refused(proc: subprocess.CompletedProcess, pattern: str) -> str:
     assert pattern in errors[0], (pattern, errors[0])
     return errors[0]
 
-
-def args_of(case: Sequence) -> list:
-    return [str(a) for a in case]
