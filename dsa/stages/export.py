@@ -21,7 +21,9 @@ import importlib.util
 import inspect
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
@@ -154,29 +156,89 @@ _UNSUPPORTED = re.compile(r'torch\.operator "([^"]+)"')
 _NAMED_PARAMETER = re.compile(r'#flow\.parameter\.named<"' + PARAMETER_SCOPE + r'"::"([^"]+)">')
 
 
+def _module_sites(exported, op: str) -> List[str]:
+    """The model module paths (with their classes) whose forward calls `op` (e.g. "aten.linalg_eig"), from
+    the exported graph's nn_module_stack."""
+    sites = set()
+    for module in exported.graph_module.modules():
+        graph = getattr(module, "graph", None)
+        for node in graph.nodes if graph is not None else []:
+            if node.op == "call_function" and str(node.target).startswith(op):
+                stack = node.meta.get("nn_module_stack") or {}
+                if stack:
+                    path, kind = list(stack.values())[-1]
+                    kind = getattr(kind, "__name__", str(kind)).rsplit(".", 1)[-1]
+                    sites.add(f"{path or '<root>'} ({kind})")
+    return sorted(sites)
+
+
+def _named_with_sites(ops: Sequence[str], exported) -> str:
+    named = []
+    for op in ops:
+        sites = _module_sites(exported, op)
+        named.append(f"'{op}'" + (f" in module {', '.join(sites)}" if sites else ""))
+    return "; ".join(named)
+
+
+# What the model author can do about an op IREE cannot take.
+OP_CHOICES = (
+    "rewrite that part of the model with ops IREE lowers; or give the export a decomposition of the op "
+    "(ExportSpec.decompositions; for your own kernel, a torch.library custom op with its decomposition, as "
+    "models/custom_op does); or split the model so that this part runs outside the compiled module "
+    "(docs/security.md, 'Ops IREE cannot compile')"
+)
+
+
 def check_supported_ops(mlir: str, exported, where: str) -> None:
     """An op the importer could not map to the torch dialect fails late in iree-compile; fail here instead,
     naming the op and the model module it came from."""
     ops = sorted(set(_UNSUPPORTED.findall(mlir)))
     if not ops:
         return
-    problems = []
-    for op in ops:
-        short = op.split(".", 1)[-1]  # torch.aten.linalg_eig → aten.linalg_eig
-        paths = []
-        for module in exported.graph_module.modules():
-            graph = getattr(module, "graph", None)
-            for node in graph.nodes if graph is not None else []:
-                if node.op == "call_function" and str(node.target).startswith(short):
-                    stack = node.meta.get("nn_module_stack") or {}
-                    if stack:
-                        paths.append(list(stack.values())[-1][0] or "<root>")
-        where_ops = f" in module {', '.join(sorted(set(paths)))}" if paths else ""
-        problems.append(f"'{short}'{where_ops}")
+    # torch.operator "torch.aten.linalg_eig" → aten.linalg_eig; a custom op keeps its namespace.
+    ops = [op.split(".", 1)[-1] if op.startswith("torch.") else op for op in ops]
     raise DsaError(
         where,
-        f"unsupported op {'; '.join(problems)}: IREE cannot lower it (imported as torch.operator)",
-        "replace the op in the model code, or add a decomposition for it before export",
+        f"unsupported op {_named_with_sites(ops, exported)}: IREE cannot lower it (imported as torch.operator)",
+        OP_CHOICES,
+    )
+
+
+# A torch-dialect op in the IR a failed torch → linalg conversion leaves behind (`torch.aten.upsample_bilinear2d.vec`).
+_TORCH_OP = re.compile(r"\btorch\.((?:aten|prims)\.[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)?)")
+
+
+def check_lowerable(mlir: str, exported, where: str) -> None:
+    """An op that imports into the torch dialect but has no lowering (`aten.upsample_bilinear2d.vec` did not)
+    makes iree-compile fail with a message about a constant that feeds it. Run the compiler's input
+    conversion here (target-independent, about a second), and name the ops it could not convert — those of
+    the model's own graph that survive in the IR at the failure — with their module paths."""
+    from dsa.stages.compile import first_error_line, iree_compile_path
+
+    with tempfile.TemporaryDirectory(prefix="dsa-lowering-") as tmp:
+        path = Path(tmp) / "model.mlir"
+        path.write_text(mlir, encoding="utf-8")
+        proc = subprocess.run(
+            [iree_compile_path(), str(path), "--iree-input-type=torch", "--compile-to=input",
+             "--mlir-print-ir-after-failure", "-o", os.devnull],
+            capture_output=True, text=True,
+        )
+    if proc.returncode == 0:
+        return
+    graph_ops = {str(node.target) for module in exported.graph_module.modules()
+                 for node in (module.graph.nodes if hasattr(module, "graph") else ()) if node.op == "call_function"}
+    dump = proc.stderr.split("IR Dump After", 1)[-1]
+    left = sorted({op for op in _TORCH_OP.findall(dump) if op in graph_ops})
+    # "<unknown>:0: error: failed to legalize operation 'torch.constant.float': %6 = ..." → the words only.
+    message = first_error_line(proc.stderr).split(": %", 1)[0].split("error: ", 1)[-1].strip()
+    if not left:
+        raise DsaError(where, f"IREE's input conversion failed: {message}",
+                       "run `iree-compile --iree-input-type=torch --compile-to=input` on the exported MLIR")
+    raise DsaError(
+        where,
+        f"IREE cannot lower op {_named_with_sites(left, exported)}: it imports into the torch dialect but has no "
+        f"conversion (the compiler says: {message})",
+        OP_CHOICES,
     )
 
 
@@ -345,6 +407,15 @@ def trace_model(
     if _has_inplace_ops(exported):
         # Functionalise (an empty decomposition table: only in-place → out-of-place, nothing decomposed).
         exported = exported.run_decompositions({})
+    if spec.decompositions:
+        # The model's own decompositions only (no default table: the rest of the graph stays as traced).
+        try:
+            exported = exported.run_decompositions(dict(spec.decompositions))
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DsaError(f"{where}: ExportSpec.decompositions", f"a decomposition failed: {type(e).__name__}: "
+                           f"{first}", "make each decomposition take the op's arguments and return its "
+                           "result with traceable torch ops") from None
     names_to_apply = rewrite_names(view) if rewrites is None else list(rewrites)
     counts: Dict[str, int] = {}
     if names_to_apply:
@@ -380,6 +451,7 @@ def export_model(
     output = aot.export(exported)
     mlir = str(output.mlir_module)
     check_supported_ops(mlir, exported, where)
+    check_lowerable(mlir, exported, where)
 
     parameters, unused = parameter_entries(module, mlir)
     if "dense_resource<" in mlir:

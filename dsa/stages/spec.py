@@ -8,7 +8,7 @@ named dynamic dimension to the size to export at (a bucket size, or a representa
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -68,6 +68,11 @@ class ExportSpec:
     outputs: List[str]
     # The smallest size each dynamic dim may be exported at (buckets below it are refused).
     dim_minimums: Dict[str, int] = dataclasses.field(default_factory=dict)
+    # Decompositions applied to the exported program before import: op overload (for example a
+    # `torch.library.custom_op`'s `torch.ops.ns.name.default`, or an ATen op IREE cannot lower) → a function of
+    # the op's arguments written with ops IREE lowers. Eager PyTorch keeps calling the op's own kernel; the
+    # compiled module computes the decomposition (models/custom_op is the example).
+    decompositions: Dict[object, Callable] = dataclasses.field(default_factory=dict)
 
     def dynamic_dim_names(self) -> List[str]:
         names = []

@@ -69,3 +69,62 @@ class Mlp(nn.Module):
 
 def mlp(view, dims):
     return ExportSpec(module=Mlp(), inputs=[InputSpec("x", (4, 64), "float32")], outputs=["y"])
+
+
+class Resize(nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+
+
+class UpsampleHead(nn.Module):
+    """A convolution, then a bilinear 2x resize at module path `head.resize`: `aten.upsample_bilinear2d.vec`
+    imports into the torch dialect, but IREE has no lowering for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.head = nn.Sequential()
+        self.head.add_module("resize", Resize())
+
+    def forward(self, x):
+        return self.head(self.conv(x)) * 2.0
+
+
+def upsample(view, dims):
+    return ExportSpec(module=UpsampleHead(), inputs=[InputSpec("x", (1, 3, 12, 12), "float32")], outputs=["y"])
+
+
+@torch.library.custom_op("dsa_tiny::softsign", mutates_args=())
+def softsign(x: torch.Tensor) -> torch.Tensor:
+    """An opaque kernel: torch.export keeps it as one op that IREE's importer does not know."""
+    return x / (1.0 + x.abs())
+
+
+@softsign.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class SoftsignMlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.Sequential()
+        self.act.add_module("softsign", _Softsign())
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+class _Softsign(nn.Module):
+    def forward(self, x):
+        return softsign(x)
+
+
+def custom_op_without_decomposition(view, dims):
+    return ExportSpec(module=SoftsignMlp(), inputs=[InputSpec("x", (2, 4), "float32")], outputs=["y"])
+
+
+def custom_op_with_decomposition(view, dims):
+    return ExportSpec(module=SoftsignMlp(), inputs=[InputSpec("x", (2, 4), "float32")], outputs=["y"],
+                      decompositions={torch.ops.dsa_tiny.softsign.default: lambda x: x / (1.0 + x.abs())})

@@ -85,6 +85,59 @@ def test_unsupported_op_is_named_with_its_module_path(tiny_view, tmp_path):
     assert not (tmp_path / "e.mlir").exists()
 
 
+def test_op_that_imports_but_cannot_be_lowered_is_refused_at_export_with_its_module_path(tiny_view, tmp_path):
+    # aten.upsample_bilinear2d.vec imports into the torch dialect; iree-compile would fail later, blaming a
+    # float constant that feeds it.
+    tiny_view["model"]["entry_point"] = "tiny_models:upsample"
+    with pytest.raises(DsaError) as err:
+        export_model(tiny_view, tmp_path / "u.mlir", tmp_path / "u.json")
+    text = str(err.value)
+    assert "IREE cannot lower op 'aten.upsample_bilinear2d.vec' in module head.resize (Resize)" in text, text
+    assert "decomposition" in text and "split the model" in text
+    assert not (tmp_path / "u.mlir").exists() and not (tmp_path / "u.json").exists()
+
+
+def test_custom_op_without_a_decomposition_is_refused_naming_op_and_module(tiny_view, tmp_path):
+    tiny_view["model"]["entry_point"] = "tiny_models:custom_op_without_decomposition"
+    with pytest.raises(DsaError, match=r"unsupported op 'dsa_tiny\.softsign' in module act\.softsign "
+                                       r"\(_Softsign\).*ExportSpec\.decompositions"):
+        export_model(tiny_view, tmp_path / "c.mlir", tmp_path / "c.json")
+    assert not (tmp_path / "c.mlir").exists()
+
+
+def test_custom_op_with_its_decomposition_exports_compiles_and_matches_eager(tiny_view, tmp_path, target_spec):
+    import iree.runtime as rt
+    import torch
+    from tiny_models import SoftsignMlp
+
+    tiny_view["model"]["entry_point"] = "tiny_models:custom_op_with_decomposition"
+    record = export_model(tiny_view, tmp_path / "c.mlir", tmp_path / "c.json")
+    mlir = (tmp_path / "c.mlir").read_text()
+    assert 'torch.operator "' not in mlir and "torch.aten.abs" in mlir
+    assert record["op_histogram"].get("aten::abs") == 1
+    # The eager module (the custom op's own kernel) and the vmfb (its decomposition) agree.
+    torch.manual_seed(0)
+    model = SoftsignMlp().eval()
+    ckpt = tmp_path / "c.safetensors"
+    save_file({k: v.detach().numpy() for k, v in model.state_dict().items()}, str(ckpt))
+    build_params(ckpt, _params_view(ckpt), record, tmp_path / "c.irpa")
+    compile_module(tmp_path / "c.mlir", {"model_id": "tiny", "quant_scheme": {"kind": "none"},
+                                         "target": target_spec["name"]}, target_spec, tmp_path / "c.vmfb")
+    x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(x)).numpy()
+    instance = rt.VmInstance()
+    device = rt.get_device("local-task")
+    index = rt.ParameterIndex()
+    index.load(str(tmp_path / "c.irpa"))
+    vm_module = rt.VmModule.copy_buffer(instance, (tmp_path / "c.vmfb").read_bytes())
+    context = rt.VmContext(instance, modules=[
+        rt.create_hal_module(instance, device),
+        rt.create_io_parameters_module(instance, index.create_provider(scope="model")), vm_module])
+    got = rt.FunctionInvoker(context, device, vm_module.lookup_function("main"))(x).to_host()
+    assert np.abs(got - expected).max() <= 1e-6
+
+
 def test_unimportable_entry_point_names_the_field(tiny_view, tmp_path):
     tiny_view["model"]["entry_point"] = "no_such_package.models:build"
     with pytest.raises(DsaError, match=r"model\.entry_point: cannot import 'no_such_package\.models'"):
