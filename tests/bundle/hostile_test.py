@@ -18,6 +18,14 @@ from bundle_testlib import cli, rebundle
 from dsa.core.errors import DsaError
 from dsa.core.fileio import canonical_json, read_json
 from dsa.runtime import bundle as B
+from dsa.tools.testing import bounded_memory
+
+
+@pytest.fixture(autouse=True)
+def _case_memory_limit():
+    """Every case runs under a memory limit: at most 1 GiB more address space than the process holds."""
+    with bounded_memory():
+        yield
 
 
 def _repack(opened: B.OpenedBundle, out: Path, *, files: Optional[Dict[str, bytes]] = None,

@@ -26,7 +26,14 @@ from dsa.manifest.contract import ManifestError, load_manifest  # noqa: E402
 from dsa.runtime import bundle as B  # noqa: E402
 from dsa.runtime.policy import CompiledPolicy, check_input  # noqa: E402
 from dsa.runtime.run import load_observation  # noqa: E402
-from dsa.tools.testing import runfile  # noqa: E402
+from dsa.tools.testing import bounded_memory, runfile  # noqa: E402
+
+@pytest.fixture(autouse=True)
+def _case_memory_limit():
+    """Every case runs under a memory limit: at most 1 GiB more address space than the process holds."""
+    with bounded_memory():
+        yield
+
 
 SETTINGS = settings(max_examples=120, deadline=10_000, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -21,7 +21,14 @@ if str(HERE) not in sys.path:
 from hostile_lib import cli, refused  # noqa: E402
 from dsa.core.errors import DsaError  # noqa: E402
 from dsa.runtime.policy import CompiledPolicy, sample_inputs  # noqa: E402
-from dsa.tools.testing import runfile  # noqa: E402
+from dsa.tools.testing import bounded_memory, runfile  # noqa: E402
+
+@pytest.fixture(autouse=True)
+def _case_memory_limit():
+    """Every case runs under a memory limit: at most 1 GiB more address space than the process holds."""
+    with bounded_memory():
+        yield
+
 
 INDEX = runfile("models/pi0.modules.json")
 VOCAB = 1024  # manifests/pi0.yaml: inputs.prompt.vocab_size
@@ -216,3 +223,9 @@ FLAG_CASES = {
 def test_dsa_run_refuses_a_bad_flag_before_work(case):
     args, message = FLAG_CASES[case]
     refused(cli("dsa.runtime.run", "--index", INDEX, *args), message)
+
+
+def test_the_case_memory_limit_stops_an_allocation_beyond_it():
+    # The autouse limit is real: asking for 2 GiB inside a case fails.
+    with pytest.raises(MemoryError):
+        bytearray(2 << 30)

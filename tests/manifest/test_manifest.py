@@ -7,6 +7,7 @@ line the CLI must print on stderr.
 import copy
 import json
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -55,11 +56,22 @@ def targets_dir(tmp_path_factory):
     return directory
 
 
+# Each CLI case runs under a time and an address-space limit: a manifest that makes the loader hang or
+# allocate fails its case instead of the machine.
+CLI_TIME_LIMIT_S = 60
+CLI_MEMORY_LIMIT_BYTES = 2 << 30
+
+
+def _limit_memory():
+    resource.setrlimit(resource.RLIMIT_AS, (CLI_MEMORY_LIMIT_BYTES, CLI_MEMORY_LIMIT_BYTES))
+
+
 def run_cli(*args, cwd=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + [p for p in sys.path if p])
     return subprocess.run(
-        [sys.executable, "-m", "dsa.manifest.contract", *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env
+        [sys.executable, "-m", "dsa.manifest.contract", *map(str, args)], capture_output=True, text=True, cwd=cwd,
+        env=env, timeout=CLI_TIME_LIMIT_S, preexec_fn=_limit_memory,
     )
 
 
