@@ -39,6 +39,18 @@ def check_checkpoint_digest(checkpoint: Path, view: dict, manifest_name: str = "
         )
 
 
+def open_checkpoint(checkpoint: Path, framework: str = "pt"):
+    """The checkpoint's safetensors handle, or the one-line error for a file that is not one (garbage, a
+    truncated file, a header that claims exabytes: safetensors checks the header against the file size)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(checkpoint), framework=framework)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DsaError(str(checkpoint), f"not a readable safetensors file: {e}",
+                       "point checkpoint.path at a .safetensors file") from None
+
+
 def build_params(
     checkpoint: Path,
     view: dict,
@@ -49,7 +61,6 @@ def build_params(
 ) -> None:
     import iree.runtime as rt
     import torch
-    from safetensors import SafetensorError, safe_open
 
     from dsa.stages.spec import DTYPE_NAMES
 
@@ -64,11 +75,7 @@ def build_params(
         )
     quantized = quantization["tensors"]
 
-    try:
-        handle = safe_open(str(checkpoint), framework="pt")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise DsaError(str(checkpoint), f"not a readable safetensors file: {e}",
-                       "point checkpoint.path at a .safetensors file") from None
+    handle = open_checkpoint(checkpoint)
     # What the checkpoint must hold: the float weight behind each quantised tensor, every other parameter
     # as recorded; scales are derived, not read.
     wanted = {}

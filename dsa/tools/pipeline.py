@@ -32,7 +32,7 @@ from dsa.core.identity import identity
 from dsa.stages.lock import ModuleFiles, make_lock, stage_source_files
 from dsa.manifest.contract import load_manifest, project
 from dsa.core.formats import Lock, ModuleIndex
-from dsa.stages.params import build_params, check_checkpoint_digest
+from dsa.stages.params import build_params, check_checkpoint_digest, open_checkpoint
 from dsa.tools.stage_process import StageRunner
 
 
@@ -107,6 +107,7 @@ def build_into(
         raise DsaError("--checkpoint", f"{checkpoint} is not a regular file", "pass a .safetensors file")
 
     check_checkpoint_digest(checkpoint, params_view, name)  # before the export: it can take minutes
+    open_checkpoint(checkpoint, framework="numpy")  # a readable safetensors file, also before the export
     if policy_config is None and "policy_config" in manifest["model"]:
         # framework lerobot: the policy's config.json, relative to the manifest
         policy_config = manifest_file(manifest_path, manifest["model"]["policy_config"]["path"],
