@@ -54,16 +54,39 @@ def missing_for(spec: dict, arch: str, features: Optional[Sequence[str]]) -> Opt
 
 
 def runs_here(spec: dict) -> bool:
-    return missing_for(spec, host_arch(), host_cpu_features()) is None
+    return missing_for(spec, host_arch(), host_cpu_features()) is None and missing_driver(spec) is None
+
+
+# Runtime drivers that run on the host CPU: always there.
+_CPU_DRIVERS = ("local-task", "local-sync")
+
+
+def missing_driver(spec: dict) -> Optional[str]:
+    """Why this machine cannot run `spec`'s modules for lack of a device (a GPU target's `runtime_driver`:
+    cuda, hip, vulkan), or None. Asks the IREE runtime for the driver's devices without creating one."""
+    driver = spec.get("runtime_driver", "local-task")
+    if driver in _CPU_DRIVERS:
+        return None
+    try:
+        import iree.runtime as rt
+
+        devices = rt.get_driver(driver).query_available_devices()
+    except Exception as e:  # the driver is not compiled in, or its system library (libcuda, ...) is absent
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"it needs the IREE runtime driver '{driver}', which cannot start here ({first})"
+    if not devices:
+        return f"it needs a device of the IREE runtime driver '{driver}', and this machine has none"
+    return None
 
 
 def check_host(spec: dict, where: str) -> None:
-    """Refuses, before anything is loaded, a target this machine cannot execute."""
-    why = missing_for(spec, host_arch(), host_cpu_features())
+    """Refuses, before anything is loaded, a target this machine cannot execute: code for a CPU it lacks, or
+    for a device (GPU driver) it does not have."""
+    why = missing_for(spec, host_arch(), host_cpu_features()) or missing_driver(spec)
     if why is not None:
         raise DsaError(
             where,
             f"the module is compiled for target '{spec.get('name')}' and cannot run on this machine: {why}",
             "run a module built for a target this machine supports (the manifest's `targets`; e.g. "
-            "x86_64-v3 for x86-64 CPUs without AVX-512)",
+            "x86_64-v3 for x86-64 CPUs without AVX-512; docs/targets.md names each target's driver)",
         )

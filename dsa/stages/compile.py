@@ -29,7 +29,9 @@ REPRODUCIBILITY_FLAGS = [
 
 
 def target_flags(target: dict, where: str) -> List[str]:
-    """Device + backend + target flags of a target spec, refusing anything that depends on the build host."""
+    """The device flag and the target's own flags (its backend, CPU or GPU architecture, and whatever that
+    backend needs), refusing anything that depends on the build host. Nothing here is specific to one backend:
+    the spec owns every flag after `--iree-hal-target-device`."""
     for key in ("name", "device", "backends", "runtime_driver", "flags"):
         if key not in target:
             raise DsaError(where, f"target spec has no '{key}'", "see toolchains/targets/x86_64-v3.json")
@@ -41,17 +43,17 @@ def target_flags(target: dict, where: str) -> List[str]:
                 "reproducible or portable",
                 "name an explicit CPU (e.g. --iree-llvmcpu-target-cpu=x86-64-v3)",
             )
-    return [
-        f"--iree-hal-target-device={target['device']}",
-        f"--iree-hal-local-target-device-backends={','.join(target['backends'])}",
-        *target["flags"],
-    ]
+        if flag.startswith(("--iree-hal-target-device=", "--iree-hal-target-backends=")):
+            raise DsaError(where, f"flag '{flag}' chooses the device, which the spec's 'device' field owns",
+                           "set 'device' (local, cuda, hip, vulkan) and keep the backend's flags in 'flags'")
+    return [f"--iree-hal-target-device={target['device']}", *target["flags"]]
 
 
 # Flags a tuning file may not set: they choose the device, the CPU or the input, or undo reproducibility.
 _TUNING_FORBIDDEN = (
     "--iree-hal-target-device", "--iree-hal-local-target-device-backends", "--iree-hal-target-backends",
     "--iree-llvmcpu-target-triple", "--iree-llvmcpu-target-cpu", "--iree-llvmcpu-target-cpu-features",
+    "--iree-llvmcpu-target-abi", "--iree-cuda-target", "--iree-rocm-target", "--iree-vulkan-target",
     "--iree-input-type", "--iree-vm-bytecode-module-strip-source-map", "--iree-llvmcpu-debug-symbols",
     "--mlir-print-debuginfo", "-o", "--compile-to", "--output-format",
 )

@@ -73,9 +73,10 @@ def build_into(
     tuning: Optional[dict] = None,
     policy_config: Optional[Path] = None,
     tuning_dir: Optional[Path] = None,
+    targets: Optional[List[str]] = None,
 ) -> List[Path]:
     """Builds every artifact of the manifest's model into the (empty) directory `out`; returns the module index
-    of each target. Beside each index lies `<target>.lock.json`, the same recipe lock the Bazel rules write.
+    of each target (`targets`, default: every target the manifest lists). Beside each index lies `<target>.lock.json`, the same recipe lock the Bazel rules write.
 
     `tuning` maps a target name to the tuning file to compile it with; a target without one compiles with
     `tuning_dir/<family>.<target>.json` when the manifest names its tuning family, else with the target
@@ -85,6 +86,12 @@ def build_into(
     known = sorted(p.stem for p in targets_dir.glob("*.json"))
     manifest = load_manifest(manifest_path, known_targets=known)
     name = str(manifest_path)
+    unlisted = sorted(set(targets or ()) - set(manifest["targets"]))
+    if unlisted:
+        raise DsaError("--target", f"{', '.join(unlisted)} is not one of {name}'s targets "
+                       f"({', '.join(manifest['targets'])})", "add it to the manifest's `targets`, or choose a listed one")
+    # The targets this build compiles for, in the manifest's order.
+    manifest = dict(manifest, targets=[t for t in manifest["targets"] if not targets or t in targets])
     tuning = resolve_tuning(manifest, name, targets_dir, tuning_dir or _RULES_DSA_ROOT / "toolchains" / "tuning",
                             dict(tuning or {}))
     views = out / "views"
@@ -314,6 +321,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--policy-config", type=Path,
                         help="framework lerobot: the policy's config.json (default: model.policy_config.path, "
                         "relative to the manifest)")
+    parser.add_argument("--target", action="append", default=[], metavar="NAME", dest="targets",
+                        help="compile for this target of the manifest's `targets` (repeatable; default: all)")
     parser.add_argument("--tuning", action="append", default=[], metavar="TARGET=FILE",
                         help="compile TARGET with this tuning file (default: the manifest's tuning family's "
                         "file in --tuning-dir, if it names one)")
@@ -333,7 +342,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                            seeded_checkpoint=a.seeded_checkpoint,
                            pythonpath=a.pythonpath or default_pythonpath(a.manifest),
                            requirements_lock=a.requirements_lock, tuning=tuning,
-                           policy_config=a.policy_config, tuning_dir=a.tuning_dir)
+                           policy_config=a.policy_config, tuning_dir=a.tuning_dir, targets=a.targets or None)
     for index in indexes:
         print(f"dsa compile: wrote {index} and {index.name.replace('.modules.json', '.lock.json')}")
 

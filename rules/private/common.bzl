@@ -7,7 +7,6 @@ load(":providers.bzl", "DsaTargetInfo")
 # cache miss while a different client environment is not.
 TOOL_ATTRS = {
     "_manifest_tool": attr.label(default = Label("//dsa:manifest_tool"), executable = True, cfg = "exec"),
-    "_known_targets": attr.label(default = Label("//toolchains/targets:specs"), allow_files = [".json"]),
     "_toolchain_identity": attr.label(default = Label("@dsa_python//:identity.json"), allow_single_file = True),
 }
 
@@ -94,14 +93,11 @@ def execution_requirements(ctx):
 
 def manifest_view(ctx, manifest, view, out, target = None, bucket = None):
     """Declares the small DsaManifest action that validates `manifest` and writes one projection."""
-    known = ctx.files._known_targets
     args = ctx.actions.args()
     args.add("project")
     args.add(manifest)
     args.add("--view", view)
     args.add("--out", out)
-    if known:
-        args.add("--known-targets-dir", known[0].dirname)
     if target:
         args.add("--target", target)
     if bucket:
@@ -109,7 +105,7 @@ def manifest_view(ctx, manifest, view, out, target = None, bucket = None):
     ctx.actions.run(
         executable = ctx.executable._manifest_tool,
         arguments = [args],
-        inputs = [manifest, ctx.file._toolchain_identity] + known,
+        inputs = [manifest, ctx.file._toolchain_identity],
         outputs = [out],
         mnemonic = "DsaManifest",
         progress_message = "Validating %s: %s view of %s" % (ctx.label, view, manifest.short_path),
@@ -134,14 +130,28 @@ def repo_relative(f):
 def _dsa_target_impl(ctx):
     return [
         DefaultInfo(files = depset([ctx.file.spec])),
-        DsaTargetInfo(name = ctx.label.name, spec = ctx.file.spec),
+        DsaTargetInfo(name = ctx.label.name, spec = ctx.file.spec, tuning_files = ctx.files.tuning),
     ]
 
 dsa_target = rule(
     implementation = _dsa_target_impl,
-    doc = "A compilation target. The rule's name is the name manifests list under `targets`.",
+    doc = """A compilation target. The rule's name is the name manifests list under `targets`.
+
+A target in your own workspace works like the rule set's: pass it as a dsa_vmfb's or dsa_policy's `target`,
+or choose it for a whole build with `--@rules_dsa//:target=//your:target` (docs/targets.md).""",
     attrs = {
-        "spec": attr.label(mandatory = True, allow_single_file = [".json"], doc = "Target spec (JSON)."),
+        "spec": attr.label(mandatory = True, allow_single_file = [".json"], doc = "Target spec (JSON): device, backends, runtime driver, flags."),
+        "tuning": attr.label_list(allow_files = [".json"], doc = "Tuning files for this target (`<family>.<target>.json`), found by family when a build chooses this target with //:target; the rule set's own toolchains/tuning files are always searched."),
     },
+    provides = [DsaTargetInfo],
+)
+
+def _dsa_target_default_impl(ctx):
+    return [DsaTargetInfo(name = "", spec = None, tuning_files = [])]
+
+# //:target's default: no override, each dsa_vmfb compiles for its own `target`.
+dsa_target_default = rule(
+    implementation = _dsa_target_default_impl,
+    doc = "The default of the //:target build setting: every dsa_vmfb compiles for its own `target`.",
     provides = [DsaTargetInfo],
 )

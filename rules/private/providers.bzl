@@ -3,8 +3,9 @@
 DsaTargetInfo = provider(
     doc = "A compilation target (toolchains/targets): device, backends, flags, runtime driver.",
     fields = {
-        "name": "Target name, as the manifest's `targets` lists it.",
+        "name": "Target name, as the manifest's `targets` lists it; empty for //:target's default (no override).",
         "spec": "File: the target spec (JSON) the compile stage reads.",
+        "tuning_files": "List of File: tuning files (<family>.<target>.json) for this target beyond the rule set's.",
     },
 )
 

@@ -3,7 +3,7 @@
 load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "execution_requirements", "manifest_view", "repo_relative", "stage_sources")
 load(":providers.bzl", "DsaBucketInfo", "DsaModelInfo", "DsaModuleInfo", "DsaTargetInfo")
 
-def _lock_action(ctx, lock, index, spec, model, target, compile_view, bucket_views, mlirs, records, vmfbs, reports):
+def _lock_action(ctx, lock, index, spec, model, target, tuning, compile_view, bucket_views, mlirs, records, vmfbs, reports):
     """DsaLock: digests of every input and output of these modules (see dsa/stages/lock.py), and the module
     index the runner loads (dsa.core.formats.ModuleIndex, the index's one writer)."""
     views = {"export": model.export_view, "params": model.params_view, "runtime": model.runtime_view, "compile": compile_view}
@@ -30,7 +30,6 @@ def _lock_action(ctx, lock, index, spec, model, target, compile_view, bucket_vie
     if model.python_env:
         args.add("--export-identity", model.python_env.identity)
         extra.append(model.python_env.identity)
-    tuning = ctx.file.tuning
     if tuning:
         args.add("--tuning", "%s=%s" % (repo_relative(tuning), tuning.path))
     args.add("--out", lock)
@@ -53,9 +52,31 @@ def _lock_action(ctx, lock, index, spec, model, target, compile_view, bucket_vie
         execution_requirements = execution_requirements(ctx),
     )
 
+def _tuning_for(ctx, target, overridden):
+    """The tuning file to compile with: the rule's `tuning` when it is for `target`; for a target chosen with
+    //:target, the file of the same family for that target (the target's own `tuning` files, then the rule
+    set's toolchains/tuning); None when the rule names none."""
+    given = ctx.file.tuning
+    if not given or given.basename.endswith(".%s.json" % target.name):
+        return given
+    if not overridden:
+        fail("dsa_vmfb %s: tuning %s is not for target %s (tuning files are <family>.<target>.json); use " % (
+            ctx.label, given.short_path, target.name) + "the family's %s file" % target.name)
+    wanted = "%s.%s.json" % (given.basename.split(".")[0], target.name)
+    for f in target.tuning_files + ctx.files._rule_set_tuning:
+        if f.basename == wanted:
+            return f
+    fail(("dsa_vmfb %s: --//:target chose %s, but there is no tuning file %s for it (the rule names %s); " +
+          "add one to the target's `tuning` (toolchains/tuning/README.md: an unmeasured file says so) or " +
+          "build this policy for its own target") % (ctx.label, target.name, wanted, given.short_path))
+
 def _dsa_vmfb_impl(ctx):
     name = ctx.label.name
-    target = ctx.attr.target[DsaTargetInfo]
+    # A build may choose another target for every dsa_vmfb: --//:target=aarch64-orin (or a label of the
+    # user's own dsa_target). Its actions are distinct cache entries: the spec is an input of each.
+    override = ctx.attr._target_flag[DsaTargetInfo]
+    target = override if override.name else ctx.attr.target[DsaTargetInfo]
+    tuning = _tuning_for(ctx, target, bool(override.name))
     src = ctx.attr.src
     if DsaBucketInfo in src:
         model = src[DsaBucketInfo].model
@@ -68,12 +89,8 @@ def _dsa_vmfb_impl(ctx):
         records = [model.export_record]
         bucket_views = []
 
-    # A tuning file is `<family>.<target>.json`: one for another target is refused here, before any action
-    # (export included) runs. DsaCompile checks its family against the manifest's `tuning`.
-    if ctx.file.tuning and not ctx.file.tuning.basename.endswith(".%s.json" % target.name):
-        fail("dsa_vmfb %s: tuning %s is not for target %s (tuning files are <family>.<target>.json); use " % (
-            ctx.label, ctx.file.tuning.short_path, target.name) + "the family's %s file" % target.name)
-
+    # A tuning file is `<family>.<target>.json`: one for another target is refused (_tuning_for), before any
+    # action (export included) runs. DsaCompile checks its family against the manifest's `tuning`.
     view = ctx.actions.declare_file("%s/compile_view.%s.json" % (name, target.name))
     manifest_view(ctx, model.manifest, "compile", view, target = target.name)
 
@@ -87,14 +104,14 @@ def _dsa_vmfb_impl(ctx):
         args.add("--mlir", mlir)
         args.add("--view", view)
         args.add("--target", target.spec)
-        if ctx.file.tuning:
-            args.add("--tuning", ctx.file.tuning)
+        if tuning:
+            args.add("--tuning", tuning)
         args.add("--out", vmfb)
         args.add("--report", report)
         ctx.actions.run(
             executable = ctx.executable._compile_tool,
             arguments = [args],
-            inputs = [mlir, view, target.spec, ctx.file._toolchain_identity] + ctx.files.tuning,
+            inputs = [mlir, view, target.spec, ctx.file._toolchain_identity] + ([tuning] if tuning else []),
             outputs = [vmfb, report],
             mnemonic = "DsaCompile",
             progress_message = "Compiling %s for %s" % (mlir.short_path, target.name),
@@ -112,7 +129,7 @@ def _dsa_vmfb_impl(ctx):
     # The module index: written by the DsaLock action, which has every path (one writer: ModuleIndex).
     index = ctx.actions.declare_file(name + ".modules.json")
     lock = ctx.actions.declare_file(name + ".lock.json")
-    _lock_action(ctx, lock, index, spec, model, target, view, bucket_views, mlirs, records, vmfbs, reports)
+    _lock_action(ctx, lock, index, spec, model, target, tuning, view, bucket_views, mlirs, records, vmfbs, reports)
 
     files = vmfbs + reports + records + [index, lock, model.params, model.runtime_view, spec]
     return [
@@ -145,6 +162,9 @@ Editing the tuning file recompiles exactly the dsa_vmfb targets that name it."""
             doc = "Tuning file for this model family and target (toolchains/tuning/<family>.<target>.json).",
         ),
         "_compile_tool": attr.label(default = Label("//dsa:compile_tool"), executable = True, cfg = "exec"),
+        # --//:target: another target for the whole build (default: none, each rule's own `target`).
+        "_target_flag": attr.label(default = Label("//:target"), providers = [DsaTargetInfo]),
+        "_rule_set_tuning": attr.label(default = Label("//toolchains/tuning:tuning"), allow_files = True),
         "_lock_tool": attr.label(default = Label("//dsa:lock_tool"), executable = True, cfg = "exec"),
         # The stage code the recipe lock records (never the tools: editing one changes no lock).
         "_stage_code": attr.label(default = Label("//dsa:stage_code")),

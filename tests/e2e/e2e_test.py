@@ -422,6 +422,39 @@ def test_target_change_recompiles_without_exporting(ws, edits):
     assert [v.read_bytes() for v in ws.vmfbs] != before
 
 
+def test_a_target_of_the_users_own_builds_with_no_change_to_the_rule_set(ws, edits):
+    """A dsa_target in the user's workspace, with a spec of its own (a RISC-V board without the vector
+    extension), chosen for the whole build with --@rules_dsa//:target: every bucket compiles for it (RISC-V
+    executables in the vmfbs), nothing is exported or packed again, and the module index names the target."""
+    ws.build()
+    (ws.path / "board").mkdir(exist_ok=True)
+    edits.create("board/my-riscv.json").write_text(json.dumps({
+        "name": "my-riscv",
+        "description": "a RISC-V board of the user's own: RV64GC, no vector extension",
+        "device": "local",
+        "backends": ["llvm-cpu"],
+        "runtime_driver": "local-task",
+        "flags": ["--iree-hal-local-target-device-backends=llvm-cpu",
+                  "--iree-llvmcpu-target-triple=riscv64-unknown-linux-gnu",
+                  "--iree-llvmcpu-target-cpu=generic-rv64", "--iree-llvmcpu-target-abi=lp64d",
+                  "--iree-llvmcpu-target-cpu-features=+m,+a,+f,+d,+c"],
+        "executable_formats": ["embedded-elf-riscv_64"],
+        "host": {"arch": "riscv64", "cpu_features": []},
+    }))
+    edits.create("board/BUILD.bazel").write_text(
+        'load("@rules_dsa//rules:defs.bzl", "dsa_target")\n\n'
+        'dsa_target(name = "my-riscv", spec = "my-riscv.json", visibility = ["//visibility:public"])\n')
+    edits.replace("tiny.yaml", "targets: [x86_64-v3]", "targets: [x86_64-v3, my-riscv]")
+    _, log = ws.build(TARGET, "--@rules_dsa//:target=//board:my-riscv")
+    ran = executed_mnemonics(log)
+    assert ran["DsaCompile"] == len(BUCKETS) and ran["DsaExport"] == ran["DsaParams"] == 0, ran
+    for vmfb in ws.vmfbs:
+        data = vmfb.read_bytes()
+        assert b"embedded-elf-riscv_64" in data and b"embedded-elf-x86_64" not in data, vmfb
+    index = json.loads((ws.bin / "tiny.modules.json").read_text())
+    assert index["target"] == "my-riscv", index
+
+
 def test_tuning_file_edit_recompiles_only_the_modules_that_name_it(ws, edits):
     """A dsa_vmfb's tuning file (toolchains/tuning format) is an input of its compile actions only: naming
     one, then changing its flags, recompiles every bucket and exports or packs nothing; the flags reach the

@@ -31,7 +31,7 @@ _MODEL_INFO_FIELDS = [
 
 _MODULE_INFO_FIELDS = ["model", "target", "vmfbs", "records", "reports", "index", "lock"]
 
-_TARGET_INFO_FIELDS = ["name", "spec"]
+_TARGET_INFO_FIELDS = ["name", "spec", "tuning_files"]
 
 # The recipe lock records stage code only (dsa_vmfb's _stage_code, common.bzl's stage_sources).
 _STAGE_CODE_PREFIXES = ["dsa/core/", "dsa/manifest/", "dsa/stages/"]
@@ -267,6 +267,26 @@ def _dsa_compile_argv_test_impl(ctx):
     asserts.equals(env, sorted(ctx.attr.module_stems), sorted(mlirs), "one DsaCompile per bucket")
     return analysistest.end(env)
 
+def _target_override_test_impl(ctx):
+    """Under --//:target=aarch64-orin, every DsaCompile of a dsa_vmfb whose own target is x86_64-v3 compiles
+    for aarch64-orin, with the same family's tuning file for aarch64-orin."""
+    env = analysistest.begin(ctx)
+    compiles = [a for a in analysistest.target_actions(env) if a.mnemonic == "DsaCompile"]
+    asserts.equals(env, 3, len(compiles), "one DsaCompile per bucket")
+    for action in compiles:
+        argv = action.argv
+        target = _flag_values(argv, "--target")
+        asserts.true(env, target and target[0].endswith("/aarch64-orin.json"), "--target %s" % target)
+        view = _flag_values(argv, "--view")
+        asserts.true(env, view and view[0].endswith("/compile_view.aarch64-orin.json"), "--view %s" % view)
+        asserts.equals(env, ["toolchains/tuning/flow_vla.aarch64-orin.json"], _flag_values(argv, "--tuning"))
+    return analysistest.end(env)
+
+target_override_test = analysistest.make(
+    _target_override_test_impl,
+    config_settings = {str(Label("//:target")): str(Label("//toolchains/targets:aarch64-orin"))},
+)
+
 # `tuning`: the --tuning value expected (a source file's path), or "" for none.
 dsa_compile_argv_test = analysistest.make(
     _dsa_compile_argv_test_impl,
@@ -411,6 +431,9 @@ def dsa_rules_analysis_tests(name):
             "target_under_test": ":tuned_vmfb",
             "tuning": _TUNING,
             "module_stems": _BUCKET_STEMS,
+        }),
+        (target_override_test, "target_build_setting_compiles_every_bucket_for_another_target_with_its_tuning", {
+            "target_under_test": ":tuned_vmfb",
         }),
         (dsa_compile_argv_test, "dsa_compile_argv_has_no_tuning_without_a_tuning_file", {
             "target_under_test": ":untuned_vmfb",

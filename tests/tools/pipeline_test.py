@@ -23,6 +23,7 @@ def test_dsa_compile_matches_bazel_build_byte_for_byte(tmp_path):
         pythonpath=[str(runfile("."))],
         requirements_lock=runfile("requirements_lock.txt"),
         tuning_dir=TUNING,  # the manifest's `tuning: flow_vla` picks flow_vla.x86_64-v3.json, as the rule does
+        targets=["x86_64-v3"],  # //models:pi0's target (the manifest lists every device π0 deploys to)
     )
     assert [i.name for i in indexes] == ["x86_64-v3.modules.json"]
     ours = read_json(indexes[0])
@@ -53,7 +54,8 @@ def test_dsa_compile_matches_bazel_build_byte_for_byte(tmp_path):
 
 @pytest.fixture
 def pi0():
-    return load_manifest(runfile("manifests/pi0.yaml"))
+    # As `dsa compile --target x86_64-v3` narrows it (the manifest lists every target π0 deploys to).
+    return dict(load_manifest(runfile("manifests/pi0.yaml")), targets=["x86_64-v3"])
 
 
 def test_the_manifests_tuning_family_is_found_for_each_target(pi0):
@@ -79,8 +81,17 @@ def test_a_tuning_file_of_another_family_than_the_manifests_is_refused(pi0):
 
 
 def test_a_tuning_file_for_a_target_the_manifest_does_not_list_is_refused(pi0):
-    with pytest.raises(DsaError, match="--tuning: target x86_64-v4 is not one of pi0.yaml's targets"):
-        resolve_tuning(pi0, "pi0.yaml", TARGETS, TUNING, {"x86_64-v4": TUNING / "flow_vla.x86_64-v4.json"})
+    with pytest.raises(DsaError, match="--tuning: target vulkan-adreno is not one of pi0.yaml's targets"):
+        resolve_tuning(pi0, "pi0.yaml", TARGETS, TUNING, {"vulkan-adreno": TUNING / "flow_vla.vulkan-adreno.json"})
+
+
+def test_dsa_compile_refuses_a_target_the_manifest_does_not_list(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(DsaError, match=r"--target: vulkan-adreno is not one of .*pi0.yaml's targets"):
+        run_pipeline(runfile("manifests/pi0.yaml"), out, targets_dir=TARGETS, seeded_checkpoint=0,
+                     pythonpath=[str(runfile("."))], requirements_lock=runfile("requirements_lock.txt"),
+                     tuning_dir=TUNING, targets=["vulkan-adreno"])
+    assert not out.exists()
 
 
 def test_dsa_compile_refuses_a_wrong_tuning_before_exporting(tmp_path):
@@ -89,7 +100,8 @@ def test_dsa_compile_refuses_a_wrong_tuning_before_exporting(tmp_path):
     with pytest.raises(DsaError, match="family 'transformer'"):
         run_pipeline(runfile("manifests/pi0.yaml"), out, targets_dir=TARGETS, seeded_checkpoint=0,
                      pythonpath=[str(runfile("."))], requirements_lock=runfile("requirements_lock.txt"),
-                     tuning={"x86_64-v3": TUNING / "transformer.x86_64-v3.json"}, tuning_dir=TUNING)
+                     tuning={"x86_64-v3": TUNING / "transformer.x86_64-v3.json"}, tuning_dir=TUNING,
+                     targets=["x86_64-v3"])
     assert not out.exists()
 
 
