@@ -20,6 +20,7 @@ from typing import List, Optional
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import atomic_output, read_json, sha256_file
 from dsa.core.formats import REPORT_FORMAT, CompileReport
+from dsa.stages.iree_tools import first_error_line, iree_compile_path  # noqa: F401 (part of this module's API)
 
 TUNING_FORMAT = 1
 REPRODUCIBILITY_FLAGS = [
@@ -130,21 +131,10 @@ def compile_flags(view: dict, target: dict, where: str, tuning: Optional[dict] =
             *REPRODUCIBILITY_FLAGS]
 
 
-def iree_compile_path() -> str:
-    from iree.compiler.tools.binaries import find_tool
-
-    return find_tool("iree-compile")
-
-
 def _compiler_version() -> str:
     from importlib import metadata
 
     return metadata.version("iree-base-compiler")
-
-
-def first_error_line(stderr: str) -> str:
-    lines = [l for l in stderr.splitlines() if "error:" in l]
-    return (lines[0] if lines else stderr.strip().splitlines()[-1] if stderr.strip() else "no message")
 
 
 def run_iree_compile(mlir: Path, flags: List[str], output: Path, where: str) -> str:

@@ -213,7 +213,7 @@ def check_lowerable(mlir: str, exported, where: str) -> None:
     makes iree-compile fail with a message about a constant that feeds it. Run the compiler's input
     conversion here (target-independent, about a second), and name the ops it could not convert — those of
     the model's own graph that survive in the IR at the failure — with their module paths."""
-    from dsa.stages.compile import first_error_line, iree_compile_path
+    from dsa.stages.iree_tools import first_error_line, iree_compile_path
 
     with tempfile.TemporaryDirectory(prefix="dsa-lowering-") as tmp:
         path = Path(tmp) / "model.mlir"

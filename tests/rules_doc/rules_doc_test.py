@@ -63,7 +63,7 @@ def test_every_public_name_of_defs_bzl_has_a_section_of_its_kind(text):
     ("dsa_model", "checkpoint", "| `checkpoint` | label | mandatory | one file: `.safetensors` | "
      "Checkpoint (safetensors); its sha256 must match the manifest's. |"),
     ("dsa_bucket", "dim", "| `dim` | string | mandatory |  | The dynamic dim to bucket (e.g. prompt_len). |"),
-    ("dsa_target", "spec", "| `spec` | label | mandatory | one file: `.json` | Target spec (JSON). |"),
+    ("dsa_target", "spec", "| `spec` | label | mandatory | one file: `.json` | Target spec (JSON): device, backends, runtime driver, flags. |"),
     ("dsa_checkpoint", "out", "| `out` | output | mandatory |  | The .safetensors file to write. |"),
     ("dsa_lerobot_policy", "config", "| `config` | label | mandatory | one file: `.json` | Policy type and config fields (JSON). |"),
     ("dsa_pipeline", "stages", "| `stages` | label_list | mandatory | providers: `DsaModuleInfo` | dsa_vmfb targets, in run order. |"),
