@@ -21,6 +21,10 @@ RECORD_FORMAT = 1
 REPORT_FORMAT = 1
 # bundle.json and build_report.json inside a release bundle (docs/bundle-format.md).
 BUNDLE_FORMAT = 1
+# A bundle of one model's modules for several targets, sharing one parameter archive (docs/bundle-format.md,
+# "Multi-target bundles"): a new format, since a format-1 reader would not find its modules.
+MULTI_TARGET_BUNDLE_FORMAT = 2
+BUNDLE_FORMATS = (BUNDLE_FORMAT, MULTI_TARGET_BUNDLE_FORMAT)  # what this release reads
 BUILD_REPORT_FORMAT = 1
 # Parameter archives (.irpa): each entry's metadata is this prefix + JSON {type, dtype, shape}, as
 # iree-turbine's ParameterArchiveBuilder writes it, so turbine's ParameterArchive reads ours back.
@@ -164,6 +168,13 @@ class BundleMeta(JsonArtifact):
     KIND = "bundle"
     FORMAT = BUNDLE_FORMAT
     REQUIRED = ("files",)
+
+
+class MultiTargetBundleMeta(BundleMeta):
+    """bundle.json of a multi-target bundle (format 2)."""
+
+    FORMAT = MULTI_TARGET_BUNDLE_FORMAT
+    REQUIRED = ("files", "targets", "parameter_archive", "runtime_view")
 
 
 class BuildReport(JsonArtifact):

@@ -47,8 +47,9 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import atomic_output, canonical_json, read_json, sha256_file
-from dsa.core.formats import (BUILD_REPORT_FORMAT, BUNDLE_FORMAT, PIPELINE_INDEX_FORMAT, BuildReport, BundleMeta,
-                              CompileReport, ExportRecord, Link, Lock, ModuleIndex, PipelineIndex)
+from dsa.core.formats import (BUILD_REPORT_FORMAT, BUNDLE_FORMAT, BUNDLE_FORMATS, MULTI_TARGET_BUNDLE_FORMAT,
+                              PIPELINE_INDEX_FORMAT, BuildReport, BundleMeta, CompileReport, ExportRecord, Link, Lock,
+                              ModuleIndex, MultiTargetBundleMeta, PipelineIndex)
 from dsa.runtime.policy import read_module_index
 
 
@@ -480,6 +481,107 @@ def write_bundle(out: Path, stages: Sequence[StageInput], *, link: Optional[Path
     return _write_archive(out, payload, generated, sizes, digest_out)
 
 
+# The files every target of a multi-target bundle shares, at the archive root: parameters do not depend on the
+# target, nor do the manifest and its runtime view.
+SHARED_MEMBERS = (MANIFEST_YAML, PARAMS_IRPA, RUNTIME_VIEW_JSON)
+
+
+def write_multi_target_bundle(out: Path, targets: Sequence[StageInput], *,
+                              digest_out: Optional[Path] = None) -> str:
+    """One model's modules for several targets in one archive (format 2, docs/bundle-format.md "Multi-target
+    bundles"): one parameter archive, manifest and runtime view at the root, each target's lock, target spec,
+    module index and modules under `<target>.` names. `targets` are in preference order: `dsa run` runs the
+    first one this machine can execute. Refused unless every target's files come from one build of one model
+    (same manifest, checkpoint, parameters and runtime view) and no target appears twice."""
+    out = Path(out)
+    bundle_name = out.name[:-len(".tar")] if out.name.endswith(".tar") else out.name
+    if len(targets) < 2:
+        raise DsaError("dsa-bundle", f"{len(targets)} target(s) for a multi-target bundle",
+                       "bundle one target's modules with dsa_bundle(module = ...), several with modules = [...]")
+    collected: List[Tuple[StageInput, _Stage]] = []
+    for t in targets:
+        c = _collect(lock=t.lock, manifest=t.manifest, runtime_view=t.runtime_view, target_spec=t.target_spec,
+                     params=t.params, modules=t.modules)
+        collected.append((t, c))
+    names = [c.lock["target"] for _, c in collected]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise DsaError("dsa-bundle", f"target {', '.join(twice)} is given more than once (targets {names})",
+                       "give each target's modules once; a build with --//:target compiles every dsa_vmfb for that "
+                       "one target: build a multi-target bundle without it")
+    for n in names:
+        if not _NAME.match(n):
+            raise DsaError("dsa-bundle", f"target name '{n}' is not a plain file name")
+    first_t, first = collected[0]
+    same = (("model_id", lambda c: c.lock["model_id"]), ("manifest", lambda c: c.digests[MANIFEST_YAML]),
+            ("checkpoint", lambda c: c.lock["checkpoint"]["sha256"]),
+            ("parameter archive", lambda c: c.digests[PARAMS_IRPA]),
+            ("runtime view", lambda c: c.digests[RUNTIME_VIEW_JSON]))
+    for what, key in same:
+        for t, c in collected[1:]:
+            if key(c) != key(first):
+                raise DsaError("dsa-bundle", f"the {what} of target {c.lock['target']} differs from target "
+                               f"{first.lock['target']}'s ({key(c)} vs {key(first)})",
+                               "a multi-target bundle holds one model's modules, compiled from one export and "
+                               "one parameter archive: bundle dsa_vmfb targets of the same dsa_model")
+
+    payload: Dict[str, Path] = {name: first.payload[name] for name in SHARED_MEMBERS}
+    generated: Dict[str, bytes] = {}
+    tables = []
+    for t, c in collected:
+        target = c.lock["target"]
+        prefix = target + "."
+        for name, path in c.payload.items():
+            if name not in SHARED_MEMBERS:
+                payload[prefix + name] = path
+        index = dict(c.index, target_spec=prefix + c.index["target_spec"],
+                     modules=[{"vmfb": prefix + m["vmfb"], "record": prefix + m["record"]}
+                              for m in c.index["modules"]])
+        generated[prefix + INDEX_JSON] = ModuleIndex.from_json(index, prefix + INDEX_JSON).text().encode("utf-8")
+        spec = read_json(c.payload[TARGET_SPEC_JSON])
+        tables.append({"target": target, "runtime_driver": spec.get("runtime_driver", "local-task"),
+                       "lock": prefix + LOCK_JSON, "target_spec": prefix + TARGET_SPEC_JSON,
+                       "index_file": prefix + INDEX_JSON, "index": index})
+    reports = [_build_report(c.lock, c.records, c.reports, c.sizes, c.digests) for _, c in collected]
+    generated[BUILD_REPORT_JSON] = BuildReport.dumps({
+        "format": BUILD_REPORT_FORMAT, "model_id": first.lock["model_id"], "targets": reports,
+        "parameters": reports[0]["parameters"],
+    })
+
+    digests: Dict[str, str] = {}
+    sizes: Dict[str, int] = {}
+    for name, path in payload.items():
+        digests[name], sizes[name] = sha256_file(path), path.stat().st_size
+    for name, data in generated.items():
+        digests[name], sizes[name] = hashlib.sha256(data).hexdigest(), len(data)
+
+    # One statement: every member a subject; the model's inputs once, each target's spec and flags.
+    statement = _provenance(first.lock, digests, first_t.source, bundle_name)
+    definition = statement["predicate"]["buildDefinition"]
+    deps = [d for d in definition["resolvedDependencies"] if d["annotations"]["role"] != "target_spec"]
+    deps[2:2] = [{"name": f"target_spec/{c.lock['target']}.json", "digest": {"sha256": c.lock["target_spec"]["sha256"]},
+                  "annotations": {"role": "target_spec", "target": c.lock["target"]}} for _, c in collected]
+    definition["resolvedDependencies"] = deps
+    definition["externalParameters"] = {"model_id": first.lock["model_id"], "targets": names,
+                                        "manifest": first_t.source, "bundle": bundle_name}
+    definition["internalParameters"] = {"targets": [
+        {"target": c.lock["target"], "target_flags": c.lock["target_spec"].get("flags", []),
+         "modules": [{"name": m["name"], "flags": m.get("flags", [])} for m in c.lock.get("modules", [])]}
+        for _, c in collected]}
+    statement["predicate"]["runDetails"]["builder"]["version"]["bundle_format"] = str(MULTI_TARGET_BUNDLE_FORMAT)
+    provenance = _json_bytes(statement)
+    generated[PROVENANCE_JSON] = provenance
+    digests[PROVENANCE_JSON], sizes[PROVENANCE_JSON] = hashlib.sha256(provenance).hexdigest(), len(provenance)
+
+    meta = {"format": MULTI_TARGET_BUNDLE_FORMAT, "kind": "multi-target", "model_id": first.lock["model_id"],
+            "manifest": MANIFEST_YAML, "manifest_source": first_t.source, "parameter_archive": PARAMS_IRPA,
+            "runtime_view": RUNTIME_VIEW_JSON, "build_report": BUILD_REPORT_JSON, "provenance": PROVENANCE_JSON,
+            "targets": tables}
+    meta["files"] = {name: {"sha256": digests[name], "size": sizes[name]} for name in sorted(digests)}
+    generated[BUNDLE_JSON] = MultiTargetBundleMeta.dumps(meta)
+    return _write_archive(out, payload, generated, sizes, digest_out)
+
+
 def create_bundle(out: Path, *, lock: Path, manifest: Path, runtime_view: Path, target_spec: Path, params: Path,
                   modules: Sequence[ModuleInput], manifest_source: Optional[str] = None,
                   digest_out: Optional[Path] = None) -> str:
@@ -558,7 +660,11 @@ class BundleStage:
 
 
 def _stage_tables(meta: dict) -> List[dict]:
-    """bundle.json's table of each model: its stages, or for a single-model bundle bundle.json itself."""
+    """bundle.json's table of each model: its stages, a multi-target bundle's targets (each with the shared
+    manifest), or for a single-model bundle bundle.json itself."""
+    if _is_multi_target(meta):
+        return [dict(t, name=t.get("target"), model_id=meta.get("model_id"), manifest=meta.get("manifest"),
+                     manifest_source=meta.get("manifest_source")) for t in meta["targets"]]
     return meta["stages"] if _is_pipeline(meta) else [meta]
 
 
@@ -571,14 +677,28 @@ class OpenedBundle:
     sha256: str
     sidecar: Optional[Path]  # the NAME.sha256 the archive was checked against, or None when there is none
     meta: dict  # bundle.json
+    # A multi-target bundle seen as one target's single-model bundle (for_target), or None.
+    selected: Optional[str] = None
 
     @property
     def is_pipeline(self) -> bool:
         return _is_pipeline(self.meta)
 
     @property
+    def is_multi_target(self) -> bool:
+        return _is_multi_target(self.meta)
+
+    @property
+    def targets(self) -> List[str]:
+        """The targets the bundle holds modules for, in preference order."""
+        if self.is_multi_target:
+            return [t["target"] for t in self.meta["targets"]]
+        return [self.meta["target"]]
+
+    @property
     def stages(self) -> List[BundleStage]:
-        return [BundleStage(name=t.get("name") if self.is_pipeline else None, model_id=t["model_id"],
+        named = self.is_pipeline or self.is_multi_target
+        return [BundleStage(name=t.get("name") if named else None, model_id=t["model_id"],
                             manifest_source=t["manifest_source"], manifest_path=self.root / t["manifest"],
                             lock_path=self.root / t["lock"], index_path=self.root / t["index_file"])
                 for t in _stage_tables(self.meta)]
@@ -589,7 +709,51 @@ class OpenedBundle:
             raise DsaError(str(self.archive), f"is a pipeline bundle (stages {stages}): it has one {what} per stage",
                            "run it with `bin/dsa link run --bundle`; its stages' files are "
                            "<stage>.<file> (docs/bundle-format.md)")
+        if self.is_multi_target:
+            if self.selected is not None:
+                return next(s for s in self.stages if s.name == self.selected)
+            raise DsaError(str(self.archive), f"is a multi-target bundle (targets {', '.join(self.targets)}): it "
+                           f"has one {what} per target", "choose one target: --target NAME")
         return self.stages[0]
+
+    def target_spec(self, target: str) -> dict:
+        """The target spec the bundle holds for `target`."""
+        if self.is_multi_target:
+            table = next(t for t in self.meta["targets"] if t["target"] == target)
+            return read_json(self.root / table["target_spec"])
+        return read_json(self.root / self.meta["index"]["target_spec"])
+
+    def why_not_here(self) -> Dict[str, Optional[str]]:
+        """target → why this machine cannot run its modules (dsa.runtime.host), or None where it can."""
+        from dsa.runtime.host import host_arch, host_cpu_features, missing_driver, missing_for
+
+        arch, features = host_arch(), host_cpu_features()
+        out = {}
+        for target in self.targets:
+            spec = self.target_spec(target)
+            out[target] = missing_for(spec, arch, features) or missing_driver(spec)
+        return out
+
+    def select_target(self, target: Optional[str] = None) -> BundleStage:
+        """The model to run: with `target`, that target's (refused when the bundle has none for it); without,
+        the first target in the bundle's order that this machine can execute (its CPU, or a device of its
+        runtime driver). Refuses, naming each target and what it needs, when none can run here."""
+        if target is not None and target not in self.targets:
+            raise DsaError(str(self.archive), f"holds no modules for target '{target}' (it holds "
+                           f"{', '.join(self.targets)})", "pass one of the bundle's targets to --target")
+        if not self.is_multi_target:
+            return self._single("module index")
+        if target is None:
+            reasons = self.why_not_here()
+            target = next((t for t, why in reasons.items() if why is None), None)
+            if target is None:
+                lines = "; ".join(f"{t} (driver {self.target_spec(t).get('runtime_driver', 'local-task')}): {why}"
+                                  for t, why in reasons.items())
+                raise DsaError(str(self.archive), f"has no module this machine can run: {lines}",
+                               "run it on a device one of its targets names, or build a bundle that also holds "
+                               "a target for this machine (dsa_bundle(modules = [...]); docs/targets.md)")
+        self.selected = target
+        return self._single("module index")
 
     @property
     def index_path(self) -> Path:
@@ -616,9 +780,40 @@ class OpenedBundle:
 
     @property
     def stage_reports(self) -> List[dict]:
-        """Each model's build report (with its `stage` name in a pipeline bundle), in run order."""
+        """Each model's build report (with its `stage` name in a pipeline bundle; one per target in a
+        multi-target bundle), in run order."""
         report = self.build_report
+        if self.is_multi_target:
+            return report["targets"]
         return report["stages"] if self.is_pipeline else [report]
+
+    def for_target(self, target: str) -> "OpenedBundle":
+        """A multi-target bundle seen as the single-model bundle of one of its targets: its lock, index and
+        build report, and its files under their single-model names (`<target>.` dropped) with the shared ones.
+        `dsa diff --target` compares two bundles this way."""
+        if not self.is_multi_target:
+            self.select_target(target)  # refuses another target
+            return self
+        stage = self.select_target(target)
+        table = next(t for t in self.meta["targets"] if t["target"] == target)
+        prefix = target + "."
+        files = {name[len(prefix):]: entry for name, entry in self.meta["files"].items() if name.startswith(prefix)}
+        files.update({name: self.meta["files"][name] for name in SHARED_MEMBERS})
+        # The index as a single-target bundle holds it (its paths without the prefix), so that comparing it
+        # with a single-target bundle's compares content, not the layout.
+        index = dict(table["index"], target_spec=TARGET_SPEC_JSON,
+                     modules=[{k: v[len(prefix):] for k, v in m.items()} for m in table["index"]["modules"]])
+        text = ModuleIndex.from_json(index, table["index_file"]).text().encode("utf-8")
+        files[INDEX_JSON] = {"sha256": hashlib.sha256(text).hexdigest(), "size": len(text)}
+        report = next(r for r in self.build_report["targets"] if r["target"] == target)
+        view = tempfile.mkdtemp(prefix="target-", dir=self.root)
+        (Path(view) / BUILD_REPORT_JSON).write_text(canonical_json(report), encoding="utf-8")
+        meta = {"format": BUNDLE_FORMAT, "model_id": self.meta["model_id"], "target": target,
+                "manifest": MANIFEST_YAML, "manifest_source": self.meta["manifest_source"],
+                "lock": stage.lock_path.name, "index_file": table["index_file"], "index": index,
+                "build_report": str(Path(view).name) + "/" + BUILD_REPORT_JSON,
+                "provenance": self.meta["provenance"], "files": files}
+        return dataclasses.replace(self, meta=meta, selected=None)
 
     @property
     def provenance(self) -> dict:
@@ -628,13 +823,19 @@ class OpenedBundle:
         checked = f"matches {self.sidecar.name}" if self.sidecar else "no .sha256 beside it"
         what = (f"pipeline {' → '.join(s.model_id for s in self.stages)}" if self.is_pipeline
                 else self.meta["model_id"])
-        return (f"bundle {self.archive.name}: format {self.meta['format']}, {what} for {self.meta['target']}, "
+        where = (f"targets {', '.join(self.targets)}" if self.is_multi_target else self.meta["target"])
+        return (f"bundle {self.archive.name}: format {self.meta['format']}, {what} for {where}, "
                 f"sha256 {self.sha256} ({checked}), {len(self.meta['files'])} files verified")
 
 
 def _is_pipeline(meta: dict) -> bool:
     """A pipeline bundle (several linked models) rather than one model's."""
     return meta.get("kind") == "pipeline"
+
+
+def _is_multi_target(meta: dict) -> bool:
+    """A multi-target bundle (one model's modules for several targets, format 2)."""
+    return meta.get("kind") == "multi-target"
 
 
 def check_archive_digest(archive: Path) -> Tuple[str, Optional[Path]]:
@@ -754,12 +955,17 @@ def read_bundle_json(archive: Path) -> dict:
         raise DsaError(f"{archive}: {BUNDLE_JSON}", f"is not valid JSON: {e}",
                        "the archive is corrupted; copy the release again") from None
     fmt = meta.get("format") if isinstance(meta, dict) else None
-    if fmt != BUNDLE_FORMAT:
+    if fmt not in BUNDLE_FORMATS or isinstance(fmt, bool):
+        readable = " and ".join(str(f) for f in BUNDLE_FORMATS)
         raise DsaError(f"{archive}: {BUNDLE_JSON}", f"bundle format {fmt!r} is not supported: this reader "
-                       f"reads format {BUNDLE_FORMAT}",
+                       f"reads formats {readable}",
                        "a newer rules_dsa wrote it: read it with that release; docs/bundle-format.md lists "
-                       "the formats" if isinstance(fmt, int) and fmt > BUNDLE_FORMAT
+                       "the formats" if isinstance(fmt, int) and fmt > max(BUNDLE_FORMATS)
                        else "this is not a rules_dsa bundle")
+    if (fmt == MULTI_TARGET_BUNDLE_FORMAT) != _is_multi_target(meta):
+        raise DsaError(f"{archive}: {BUNDLE_JSON}", f"is format {fmt} with kind {meta.get('kind')!r}: format "
+                       f"{MULTI_TARGET_BUNDLE_FORMAT} is exactly the multi-target bundles",
+                       "the archive is corrupted or was not made by dsa_bundle")
     return meta
 
 
@@ -774,9 +980,10 @@ def extract_bundle(archive: Path, dest: Path) -> OpenedBundle:
     if not isinstance(listed, dict) or not all(
             isinstance(e, dict) and isinstance(e.get("sha256"), str) and isinstance(e.get("size"), int)
             and not isinstance(e.get("size"), bool) and 0 <= e["size"] <= MAX_MEMBER_BYTES
-            for e in listed.values()) or not isinstance(meta.get("pipeline" if _is_pipeline(meta) else "index"), dict):
+            for e in listed.values()) or not _has_index(meta):
         raise DsaError(f"{archive}: {BUNDLE_JSON}", "is malformed: 'files' must map each file to its sha256 "
-                       f"and size (at most {MAX_MEMBER_BYTES} bytes), 'index' must be the module index",
+                       f"and size (at most {MAX_MEMBER_BYTES} bytes), 'index' must be the module index "
+                       "('targets' the targets' tables, each with its index, in a multi-target bundle)",
                        "this is not a bundle dsa_bundle made")
     bad_names = sorted(n for n in listed if not isinstance(n, str) or not _NAME.match(n) or n == BUNDLE_JSON)
     if bad_names:
@@ -806,6 +1013,10 @@ def extract_bundle(archive: Path, dest: Path) -> OpenedBundle:
                            "the archive is corrupted or was not made by dsa_bundle")
         checks = [(meta, ("build_report", "provenance", "link", "pipeline_file"))]
         indexes = [(meta, "pipeline_file", "pipeline")]
+    elif _is_multi_target(meta):
+        checks = [(meta, ("build_report", "provenance", "manifest", "parameter_archive", "runtime_view"))]
+        checks += [(table, ("target_spec",)) for table in _stage_tables(meta)]
+        indexes = []
     else:
         checks = [(meta, ("build_report", "provenance"))]
         indexes = []
@@ -833,10 +1044,43 @@ def extract_bundle(archive: Path, dest: Path) -> OpenedBundle:
             if not isinstance(value, str) or value not in listed:
                 raise DsaError(f"{archive}: {meta['pipeline_file']}", f"'{field}' is {value!r}, which is not a file "
                                "of the bundle", "this archive was not made by dsa_bundle")
+    multi = _is_multi_target(meta)
     for table in _stage_tables(meta):
         _check_index_paths(archive, table["index_file"], table["index"], listed)
-        _check_against_lock(archive, dest, table, found, prefix=f"{table['name']}." if _is_pipeline(meta) else "")
+        if multi:
+            _check_target_table(archive, table, meta)
+        _check_against_lock(archive, dest, table, found,
+                            prefix=f"{table['name']}." if _is_pipeline(meta) or multi else "",
+                            shared=SHARED_MEMBERS if multi else ())
     return OpenedBundle(archive=archive, root=dest, sha256=sha, sidecar=sidecar, meta=meta)
+
+
+def _has_index(meta: dict) -> bool:
+    if _is_multi_target(meta):
+        targets = meta.get("targets")
+        return (isinstance(targets, list) and bool(targets) and all(
+            isinstance(t, dict) and isinstance(t.get("target"), str) and _NAME.match(t["target"])
+            and isinstance(t.get("index"), dict) for t in targets)
+            and len({t["target"] for t in targets}) == len(targets))
+    return isinstance(meta.get("pipeline" if _is_pipeline(meta) else "index"), dict)
+
+
+def _check_target_table(archive: Path, table: dict, meta: dict) -> None:
+    """A multi-target bundle's target: its index is for that target, names that target's own spec and the
+    bundle's one parameter archive and runtime view."""
+    index, target = table["index"], table["target"]
+    expected = {"target": target, "target_spec": table["target_spec"],
+                "parameter_archive": meta["parameter_archive"], "runtime_view": meta["runtime_view"]}
+    for key, value in expected.items():
+        if index.get(key) != value:
+            raise DsaError(f"{archive}: {table['index_file']}", f"'{key}' is {index.get(key)!r}, but the "
+                           f"bundle's table of target {target} says {value!r}",
+                           "the archive was not made by dsa_bundle")
+    for m in index.get("modules", []):
+        for key in ("vmfb", "record"):
+            if not str(m.get(key, "")).startswith(target + "."):
+                raise DsaError(f"{archive}: {table['index_file']}", f"module file {m.get(key)!r} is not one of "
+                               f"target {target}'s files ({target}.*)", "the archive was not made by dsa_bundle")
 
 
 def _index_paths(index: dict) -> List[Tuple[str, object]]:
@@ -860,7 +1104,7 @@ def _check_index_paths(archive: Path, index_file: str, index: dict, listed: Dict
 
 
 def _check_against_lock(archive: Path, dest: Path, table: dict, found: Dict[str, Tuple[str, int]], *,
-                        prefix: str) -> None:
+                        prefix: str, shared: Sequence[str] = ()) -> None:
     """The bundle's files are the ones its recipe lock pins: each artifact the lock lists is in the bundle with
     the lock's sha256, and so is the manifest (bundle.json alone could be rewritten to match swapped files)."""
     try:
@@ -873,8 +1117,17 @@ def _check_against_lock(archive: Path, dest: Path, table: dict, found: Dict[str,
     if not isinstance(artifacts, dict) or not isinstance(manifest, dict):
         raise DsaError(f"{archive}: {table['lock']}", "is malformed: it has no artifact or manifest digests",
                        "the archive is corrupted or was not made by dsa_bundle")
-    pinned = {prefix + name: sha for name, sha in artifacts.items()}
+    pinned = {(name if name in shared else prefix + name): sha for name, sha in artifacts.items()}
     pinned[table["manifest"]] = manifest.get("sha256")
+    if table.get("target") is not None and lock.get("target") != table["target"]:
+        raise DsaError(f"{archive}: {table['lock']}", f"is the lock of target {lock.get('target')!r}, the bundle "
+                       f"lists it for {table['target']!r}", "the archive was not made by dsa_bundle")
+    if table.get("target_spec") in found:
+        spec = lock.get("target_spec")
+        if not isinstance(spec, dict) or found[table["target_spec"]][0] != spec.get("sha256"):
+            raise DsaError(f"{archive}: {table['target_spec']}", "is not the target spec the recipe lock pins",
+                           "the bundle's files are not the ones its lock was built with: it was altered; copy "
+                           "the release again")
     for name, sha in sorted(pinned.items()):
         got = found.get(name, (None, 0))[0]
         if got != sha:
@@ -967,8 +1220,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="dsa bundle", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("create", help="write a bundle archive and its .sha256")
-    c.add_argument("--index", help="take the files from this module index (dsa compile's TARGET.modules.json); "
-                   "the flags below override")
+    c.add_argument("--index", action="append", default=[],
+                   help="take the files from this module index (dsa compile's TARGET.modules.json, dsa_vmfb's "
+                   "NAME.modules.json); the flags below override. Repeat it, once per target in preference "
+                   "order, for a multi-target bundle of one model (its lock beside each index)")
     c.add_argument("--lock", help="the recipe lock (NAME.lock.json) from dsa_vmfb or dsa compile")
     c.add_argument("--manifest", help="the manifest (required unless --pipeline)")
     c.add_argument("--manifest-source", help="the manifest's repository-relative name, for the provenance "
@@ -1006,9 +1261,28 @@ def main(argv: Optional[List[str]] = None) -> None:
         sha = write_bundle(Path(a.out), digest_out=Path(a.digest) if a.digest else None,
                                      **pipeline_inputs(Path(a.pipeline), manifests))
         return
+    if a.command == "create" and len(a.index) > 1:
+        if not a.manifest:
+            raise DsaError("dsa-bundle create", "--manifest is required without --pipeline")
+        given = [f"--{k.replace('_', '-')}" for k in ("lock", "runtime_view", "target_spec", "params", "module")
+                 if getattr(a, k)]
+        if given:
+            raise DsaError("dsa-bundle create", f"{', '.join(given)} cannot be combined with several --index",
+                           "a multi-target bundle takes every target's files from its module index")
+        source = a.manifest_source or _source_name(Path(a.manifest))
+        for index in a.index:
+            if not Path(index).is_file():
+                raise DsaError(index, "no such module index", "build the dsa_vmfb (or run dsa compile) first")
+        stages = [StageInput(name="", manifest=Path(a.manifest), manifest_source=source,
+                             **inputs_from_index(Path(index))) for index in a.index]
+        sha = write_multi_target_bundle(Path(a.out), stages, digest_out=Path(a.digest) if a.digest else None)
+        if not a.digest:  # by hand, not in a build action: say what was written
+            print(f"dsa-bundle: wrote {a.out} (sha256 {sha}) and {sidecar_path(Path(a.out))}")
+        return
     if a.command == "create":
         if not a.manifest:
             raise DsaError("dsa-bundle create", "--manifest is required without --pipeline")
+        a.index = a.index[0] if a.index else None
         files = inputs_from_index(Path(a.index), lock=a.lock, target_spec=a.target_spec) if a.index else {}
         for key in ("lock", "runtime_view", "target_spec", "params"):
             if getattr(a, key):
@@ -1043,8 +1317,14 @@ def main(argv: Optional[List[str]] = None) -> None:
                     bucket = f"{m['bucket']['dim']}={m['bucket']['size']}" if m.get("bucket") else "dynamic"
                     print(f"  {prefix}{m['name']}: {bucket}, {m['export']['op_count']} exported ops, "
                           f"{m['compile']['dispatch_count']} dispatches, {_format_size(m['sizes']['vmfb_bytes'])}")
-            params = sum(report["parameters"]["bytes"] for report in b.stage_reports)
-            label = f"{PARAMS_IRPA} (all stages)" if b.is_pipeline else PARAMS_IRPA
+            if b.is_multi_target:
+                for target, why in b.why_not_here().items():
+                    print(f"  target {target} ({b.target_spec(target).get('runtime_driver', 'local-task')}): "
+                          + ("runs on this machine" if why is None else f"not here: {why}"))
+            params = sum(report["parameters"]["bytes"] for report in
+                         (b.stage_reports[:1] if b.is_multi_target else b.stage_reports))
+            label = (f"{PARAMS_IRPA} (all stages)" if b.is_pipeline else
+                     f"{PARAMS_IRPA} (shared by all targets)" if b.is_multi_target else PARAMS_IRPA)
             print(f"  {label}: {_format_size(params)}; archive {_format_size(b.archive.stat().st_size)}")
 
 if __name__ == "__main__":

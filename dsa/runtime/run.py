@@ -2,6 +2,7 @@
 
     dsa run --index bazel-bin/models/pi0.modules.json --prompt-len 20 --steps 1 5 10
     dsa run BUNDLE pi0_bundle.tar --steps 1 10     # a release bundle (dsa_bundle), verified first
+    dsa run pi0_fleet_bundle.tar [--target x86_64-v3]   # a multi-target bundle: the first target that runs here
 
 The runner picks the smallest shape bucket that holds the observation, pads it, runs the requested number
 of flow steps through the one compiled loop, and prints the action chunk and latency percentiles.
@@ -146,6 +147,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--require-signature", metavar="KEY.pub.pem",
                         help="with --bundle: refuse it unless NAME.dsse.json beside it is a valid signature of "
                              "this archive by this public key (dsa sign)")
+    parser.add_argument("--target", help="with --bundle: run this target's modules (default: the first of the "
+                        "bundle's targets this machine can execute)")
     parser.add_argument("--allow-nonfinite", action="store_true",
                         help="pass NaN/Inf in float inputs to the module (refused by default)")
     a = parser.parse_args(argv)
@@ -158,6 +161,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         if a.require_signature:
             raise DsaError("--require-signature", "applies to --bundle only: a build tree is not signed",
                            "run the signed release bundle")
+        if a.target:
+            raise DsaError("--target", "applies to --bundle only: a module index is for one target",
+                           "pass the index of that target's dsa_vmfb")
         _run(a, Path(a.index))
         return
     from dsa.runtime.bundle import open_bundle, user_path  # only --bundle needs it
@@ -170,7 +176,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"signature {signature_path(archive).name}: verified with {a.require_signature}")
     with open_bundle(archive) as bundle:
         print(bundle.describe())
-        _run(a, bundle.index_path)
+        stage = bundle.select_target(a.target)
+        if bundle.is_multi_target:
+            skipped = [t for t in bundle.targets[:bundle.targets.index(bundle.selected)]]
+            why = bundle.why_not_here() if skipped and not a.target else {}
+            print(f"target {bundle.selected}" + (" (chosen with --target)" if a.target else
+                  " (the first of the bundle's targets this machine runs" +
+                  "".join(f"; {t}: {why[t]}" for t in skipped) + ")"))
+        _run(a, stage.index_path)
 
 
 def _run(a: argparse.Namespace, index: Path) -> None:

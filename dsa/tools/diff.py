@@ -1,6 +1,7 @@
 """dsa diff: what changed between two release bundles, from their recipe locks, manifests and build reports.
 
     bin/dsa diff A.tar B.tar [--json]
+    bin/dsa diff A.tar B.tar --target aarch64-orin   # one target of multi-target bundles
 
 Both bundles are verified first (as `dsa run --bundle` does). The report has three parts:
 
@@ -316,8 +317,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("a", help="the first bundle (NAME.tar)")
     parser.add_argument("b", help="the second bundle")
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    parser.add_argument("--target", help="compare this target's modules (required when a bundle is a "
+                        "multi-target one; a single-target bundle must be for this target)")
     args = parser.parse_args(argv)
     with open_bundle(user_path(args.a)) as a, open_bundle(user_path(args.b)) as b:
+        if args.target:
+            a, b = a.for_target(args.target), b.for_target(args.target)
         result = diff_bundles(a, b)
     if args.json:
         sys.stdout.write(json.dumps(result, sort_keys=True, indent=2) + "\n")

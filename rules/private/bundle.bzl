@@ -24,13 +24,50 @@ def _pipeline_bundle(ctx, archive, digest):
     inputs = depset(manifests + [ctx.file._toolchain_identity], transitive = [ctx.attr.pipeline[DefaultInfo].files])
     return args, inputs, ctx.attr.pipeline.label
 
+def _multi_target_bundle(ctx, archive, digest):
+    """DsaBundle of one model's dsa_vmfbs for several targets (format 2): one parameter archive, each target's
+    modules, lock and index. The modules must share their dsa_model (one export, one parameter archive)."""
+    modules = [m[DsaModuleInfo] for m in ctx.attr.modules]
+    if len(modules) < 2:
+        fail("dsa_bundle %s: `modules` takes the dsa_vmfbs of two or more targets; bundle one with `module`" % ctx.label)
+    first = modules[0]
+    seen = {}
+    for label, m in zip(ctx.attr.modules, modules):
+        if m.model.params != first.model.params or m.model.manifest != first.model.manifest:
+            fail(("dsa_bundle %s: %s compiles another dsa_model than %s; a multi-target bundle holds the " +
+                  "modules of one dsa_model (one export, one parameter archive) for several targets") % (
+                ctx.label, label.label, ctx.attr.modules[0].label))
+        if m.target.name in seen:
+            fail(("dsa_bundle %s: %s and %s are both compiled for target %s (a build with --//:target compiles " +
+                  "every dsa_vmfb for that target: build a multi-target bundle without it)") % (
+                ctx.label, seen[m.target.name], label.label, m.target.name))
+        seen[m.target.name] = label.label
+    args = ctx.actions.args()
+    args.add("create")
+    args.add("--manifest", first.model.manifest)
+    args.add("--manifest-source", repo_relative(first.model.manifest))
+    args.add_all([m.index for m in modules], before_each = "--index")
+    args.add("--out", archive)
+    args.add("--digest", digest)
+
+    # Each dsa_vmfb's files hold its index and all the index names (modules, lock, parameters, spec link).
+    inputs = depset(
+        [first.model.manifest, ctx.file._toolchain_identity] + [m.target.spec for m in modules],
+        transitive = [m[DefaultInfo].files for m in ctx.attr.modules],
+    )
+    return args, inputs, "%s for %s" % (ctx.attr.modules[0].label, ", ".join([m.target.name for m in modules]))
+
 def _dsa_bundle_impl(ctx):
     archive = ctx.actions.declare_file(ctx.label.name + ".tar")
     digest = ctx.actions.declare_file(ctx.label.name + ".sha256")
-    if bool(ctx.attr.module) == bool(ctx.attr.pipeline):
-        fail("dsa_bundle %s: set exactly one of `module` (a dsa_vmfb) and `pipeline` (a dsa_pipeline)" % ctx.label)
-    if ctx.attr.pipeline:
-        args, inputs, subject = _pipeline_bundle(ctx, archive, digest)
+    if len([a for a in [ctx.attr.module, ctx.attr.modules, ctx.attr.pipeline] if a]) != 1:
+        fail("dsa_bundle %s: set exactly one of `module` (a dsa_vmfb), `modules` (dsa_vmfbs of one model for " % ctx.label +
+             "several targets) and `pipeline` (a dsa_pipeline)")
+    if ctx.attr.pipeline or ctx.attr.modules:
+        if ctx.attr.pipeline:
+            args, inputs, subject = _pipeline_bundle(ctx, archive, digest)
+        else:
+            args, inputs, subject = _multi_target_bundle(ctx, archive, digest)
         ctx.actions.run(
             executable = ctx.executable._bundle_tool,
             arguments = [args],
@@ -86,10 +123,20 @@ the parameter archive, the manifest and its runtime view, the target spec, the r
 an in-toto/SLSA provenance statement and bundle.json. Same inputs, same bytes: in any checkout, with any
 output base. `dsa run BUNDLE` verifies and runs it, `dsa diff` compares two.
 
+With `modules` (the dsa_vmfbs of one dsa_model for several targets, in preference order) instead of
+`module`, it is a multi-target bundle (format 2): one parameter archive, manifest and runtime view, and each
+target's modules, lock, spec and index under `<target>.` names; `dsa run` runs the first target the machine
+can execute and refuses, naming each target and the driver it needs, when there is none.
+
 With `pipeline` (a dsa_pipeline) instead of `module`, the archive holds every stage's files under
 `<stage>.` names, the link and the pipeline index; `bin/dsa link run --bundle` runs it.""",
     attrs = dict(TOOL_ATTRS, **{
-        "module": attr.label(providers = [DsaModuleInfo], doc = "A dsa_vmfb (or set `pipeline`)."),
+        "module": attr.label(providers = [DsaModuleInfo], doc = "A dsa_vmfb (or set `modules` or `pipeline`)."),
+        "modules": attr.label_list(
+            providers = [DsaModuleInfo],
+            doc = "dsa_vmfbs of one dsa_model, one per target, in the order `dsa run` prefers them: a " +
+                  "multi-target bundle sharing one parameter archive (docs/bundle-format.md).",
+        ),
         "pipeline": attr.label(
             providers = [DsaPipelineInfo],
             doc = "A dsa_pipeline: a pipeline bundle of all its stages and its link (docs/bundle-format.md).",

@@ -210,22 +210,28 @@ def test_appended_bytes_are_refused(built_copy):
     _refused(built_copy, "after the end of the archive")
 
 
-def test_format_2_is_refused(opened, tmp_path):
-    newer = repack(opened.root, tmp_path / "newer.tar", lambda meta: meta.update(format=2))
-    _refused(newer, "bundle format 2 is not supported", "reads format 1", "docs/bundle-format.md")
+def test_a_format_newer_than_this_reader_is_refused(opened, tmp_path):
+    newer = repack(opened.root, tmp_path / "newer.tar", lambda meta: meta.update(format=3))
+    _refused(newer, "bundle format 3 is not supported", "reads formats 1 and 2", "docs/bundle-format.md")
     proc = cli("dsa.runtime.bundle", "verify", newer)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "bundle format 2 is not supported" in proc.stderr
+    assert "bundle format 3 is not supported" in proc.stderr
 
 
-def test_format_2_with_another_layout_is_refused_for_its_format(opened, tmp_path):
-    """A format-2 archive may lay its files out differently (here: a directory): the format is checked first."""
+def test_format_2_is_the_multi_target_kind_only(opened, tmp_path):
+    """A single-model bundle relabelled format 2 (the multi-target format) is refused, not read as one."""
+    relabelled = repack(opened.root, tmp_path / "relabelled.tar", lambda meta: meta.update(format=2))
+    _refused(relabelled, "is format 2 with kind None: format 2 is exactly the multi-target bundles")
+
+
+def test_newer_format_with_another_layout_is_refused_for_its_format(opened, tmp_path):
+    """A format-3 archive may lay its files out differently (here: a directory): the format is checked first."""
     newer = tmp_path / "newer.tar"
-    meta = dict(opened.meta, format=2)
+    meta = dict(opened.meta, format=3)
     with tarfile.open(newer, "w", format=B.TAR_FORMAT) as tar:
         for name, data in (("bundle.json", json.dumps(meta).encode()), ("modules/a.vmfb", b"x")):
             tar.addfile(B._tarinfo(name, len(data)), io.BytesIO(data))
-    _refused(newer, "bundle format 2 is not supported: this reader reads format 1", "a newer rules_dsa wrote it")
+    _refused(newer, "bundle format 3 is not supported: this reader reads formats 1 and 2", "a newer rules_dsa wrote it")
 
 
 def test_a_repack_with_format_1_reads(opened, tmp_path):

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Reproducible release bundles: two checkouts of this repository at different paths, each built with a
 # Bazel output base of its own (so its own Python environment, execroot and action cache), must give
-# //models:pi0_bundle the same sha256. Prints both digests; exits 1, with `dsa diff` of the two bundles,
-# when they differ. Everything it makes (clones, output bases, Bazel servers) is removed at exit.
+# //models:pi0_bundle and //models:pi0_all_targets_bundle (π0 for every target of the rule set: x86, aarch64,
+# riscv64, CUDA, Vulkan, ROCm) the same sha256s. Prints the digests; exits 1, with `dsa diff` of the bundles
+# (per target for the multi-target one), when they differ. Everything it makes (clones, output bases, Bazel servers) is removed at exit.
 #
 #   tests/bundle/repro.sh            # from the repository root; .ci/run calls it
 #
@@ -13,7 +14,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD
-target=//models:pi0_bundle
+bundles=(pi0_bundle pi0_all_targets_bundle)
+targets=(//models:pi0_bundle //models:pi0_all_targets_bundle)
 work=$(mktemp -d "${TMPDIR:-/tmp}/dsa-bundle-repro.XXXXXX")
 # Different checkout paths (and directory names), different output bases.
 checkouts=("$work/first/rules_dsa" "$work/second/elsewhere/checkout")
@@ -48,26 +50,43 @@ for i in 0 1; do
         mkdir -p "$(dirname "$checkout")"
         git clone --quiet "$repo" "$checkout"
     fi
-    echo "repro: building $target in $checkout (output base ${bases[$i]})"
+    echo "repro: building ${targets[*]} in $checkout (output base ${bases[$i]})"
     start=$(date +%s)
-    (cd "$checkout" && ./bazelw --output_base="${bases[$i]}" build "$target")
+    (cd "$checkout" && ./bazelw --output_base="${bases[$i]}" build "${targets[@]}")
     echo "repro: built in $(($(date +%s) - start)) s"
-    digests+=("$(cat "$checkout/bazel-bin/models/pi0_bundle.sha256")")
-    # Keep the bundle (for `dsa diff`), then free this output base before the next one is made: one
+    # Keep the bundles (for `dsa diff`), then free this output base before the next one is made: one
     # Python environment and build tree on disk at a time.
-    cp "$checkout/bazel-bin/models/pi0_bundle.tar" "$work/bundle$i.tar"
+    for b in "${bundles[@]}"; do
+        digests+=("$(cat "$checkout/bazel-bin/models/$b.sha256")")
+        cp "$checkout/bazel-bin/models/$b.tar" "$work/$b.$i.tar"
+    done
     if [ "$i" = 0 ] && ! first_is_repo; then
         (cd "$checkout" && ./bazelw --output_base="${bases[$i]}" clean --expunge >/dev/null 2>&1 || true)
     fi
 done
 
-echo "repro: ${checkouts[0]}: ${digests[0]}"
-echo "repro: ${checkouts[1]}: ${digests[1]}"
-if [ "${digests[0]}" != "${digests[1]}" ]; then
-    echo "repro: FAILED: the two checkouts built different bundles; what differs:" >&2
-    (cd "${checkouts[1]}" &&
-        "${bases[1]}/external/dsa_python/bin/python3" -m dsa.tools.diff "$work/bundle0.tar" "$work/bundle1.tar" >&2 ||
-        true)
-    exit 1
-fi
-echo "repro: OK: the bundle is byte-identical ($(stat -c %s "$work/bundle0.tar") bytes)"
+n=${#bundles[@]}
+failed=0
+for j in "${!bundles[@]}"; do
+    b=${bundles[$j]}
+    echo "repro: ${checkouts[0]}: ${digests[$j]}"
+    echo "repro: ${checkouts[1]}: ${digests[$((n + j))]}"
+    if [ "${digests[$j]}" = "${digests[$((n + j))]}" ]; then
+        echo "repro: OK: $b is byte-identical ($(stat -c %s "$work/$b.0.tar") bytes)"
+        continue
+    fi
+    failed=1
+    echo "repro: FAILED: the two checkouts built different $b; what differs:" >&2
+    python="${bases[1]}/external/dsa_python/bin/python3"
+    if [ "$b" = pi0_bundle ]; then
+        (cd "${checkouts[1]}" && "$python" -m dsa.tools.diff "$work/$b.0.tar" "$work/$b.1.tar" >&2 || true)
+    else
+        (cd "${checkouts[1]}" && for t in $("$python" -c 'import json, sys, tarfile
+meta = json.load(tarfile.open(sys.argv[1]).extractfile("bundle.json"))
+print(" ".join(t["target"] for t in meta["targets"]))' "$work/$b.0.tar"); do
+            echo "repro: target $t:" >&2
+            "$python" -m dsa.tools.diff "$work/$b.0.tar" "$work/$b.1.tar" --target "$t" >&2 || true
+        done)
+    fi
+done
+exit $failed

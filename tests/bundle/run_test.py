@@ -72,10 +72,10 @@ def test_truncated_is_refused(built_copy):
              "truncated")
 
 
-def test_format_2_is_refused(opened, tmp_path):
-    newer = repack(opened.root, tmp_path / "newer.tar", lambda meta: meta.update(format=2))
-    _refused(cli("dsa.runtime.run", "--bundle", newer, "--steps", "1"), "bundle format 2 is not supported",
-             "reads format 1")
+def test_a_format_newer_than_this_reader_is_refused(opened, tmp_path):
+    newer = repack(opened.root, tmp_path / "newer.tar", lambda meta: meta.update(format=3))
+    _refused(cli("dsa.runtime.run", "--bundle", newer, "--steps", "1"), "bundle format 3 is not supported",
+             "reads formats 1 and 2")
 
 
 def test_missing_bundle_is_refused(tmp_path):

@@ -421,6 +421,10 @@ def dsa_rules_analysis_tests(name):
             "target_under_test": ":tuned_bundle",
             "counts": {"DsaBundle": "1"},
         }),
+        (action_counts_test, "dsa_bundle_of_several_targets_declares_one_bundle", {
+            "target_under_test": ":multi_target_bundle",
+            "counts": {"DsaBundle": "1"},
+        }),
         (action_counts_test, "dsa_bundle_of_a_pipeline_declares_one_bundle", {
             "target_under_test": "//models:groot_bundle",
             "counts": {"DsaBundle": "1"},
@@ -448,6 +452,7 @@ def dsa_rules_analysis_tests(name):
             (":three_buckets", "dsa_bucket"),
             (":tuned_vmfb", "dsa_vmfb"),
             (":tuned_bundle", "dsa_bundle"),
+            (":multi_target_bundle", "dsa_multi_target_bundle"),
             ("//models:groot", "dsa_pipeline"),
             ("//models:groot_bundle", "dsa_pipeline_bundle"),
         ]
@@ -468,11 +473,23 @@ def dsa_rules_analysis_tests(name):
         # (4) failure messages
         (analysis_failure_test, "dsa_bundle_with_module_and_pipeline_fails", {
             "target_under_test": ":bundle_with_module_and_pipeline",
-            "message": "set exactly one of `module` (a dsa_vmfb) and `pipeline` (a dsa_pipeline)",
+            "message": "set exactly one of `module` (a dsa_vmfb), `modules` (dsa_vmfbs of one model for several targets) and `pipeline` (a dsa_pipeline)",
         }),
         (analysis_failure_test, "dsa_bundle_without_module_or_pipeline_fails", {
             "target_under_test": ":bundle_without_module_or_pipeline",
-            "message": "set exactly one of `module` (a dsa_vmfb) and `pipeline` (a dsa_pipeline)",
+            "message": "set exactly one of `module` (a dsa_vmfb), `modules` (dsa_vmfbs of one model for several targets) and `pipeline` (a dsa_pipeline)",
+        }),
+        (analysis_failure_test, "multi_target_bundle_of_two_models_fails", {
+            "target_under_test": ":multi_target_bundle_of_two_models",
+            "message": "//models:transformer compiles another dsa_model than //tests/rules:tuned_vmfb",
+        }),
+        (analysis_failure_test, "multi_target_bundle_with_a_target_twice_fails", {
+            "target_under_test": ":multi_target_bundle_with_a_target_twice",
+            "message": "//tests/rules:tuned_vmfb and //models:pi0 are both compiled for target x86_64-v3",
+        }),
+        (analysis_failure_test, "multi_target_bundle_of_one_module_fails", {
+            "target_under_test": ":multi_target_bundle_of_one_module",
+            "message": "`modules` takes the dsa_vmfbs of two or more targets; bundle one with `module`",
         }),
         (analysis_failure_test, "dsa_vmfb_with_a_tuning_file_of_another_target_fails_before_any_action", {
             "target_under_test": ":vmfb_tuned_for_another_target",

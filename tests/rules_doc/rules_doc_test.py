@@ -67,7 +67,7 @@ def test_every_public_name_of_defs_bzl_has_a_section_of_its_kind(text):
     ("dsa_checkpoint", "out", "| `out` | output | mandatory |  | The .safetensors file to write. |"),
     ("dsa_lerobot_policy", "config", "| `config` | label | mandatory | one file: `.json` | Policy type and config fields (JSON). |"),
     ("dsa_pipeline", "stages", "| `stages` | label_list | mandatory | providers: `DsaModuleInfo` | dsa_vmfb targets, in run order. |"),
-    ("dsa_bundle", "module", "| `module` | label | optional, default `None` | providers: `DsaModuleInfo` | A dsa_vmfb (or set `pipeline`). |"),
+    ("dsa_bundle", "module", "| `module` | label | optional, default `None` | providers: `DsaModuleInfo` | A dsa_vmfb (or set `modules` or `pipeline`). |"),
 ])
 def test_each_rule_documents_a_known_attribute_with_its_type_default_and_doc(text, rule, attribute, row):
     assert row in _section(text, rule).splitlines(), f"{rule}.{attribute}"
