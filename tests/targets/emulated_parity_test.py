@@ -9,10 +9,6 @@ where they are absent. .ci/run installs them."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -20,32 +16,19 @@ import torch
 from dsa.core.fileio import read_json
 from dsa.manifest.contract import load_manifest, project
 from dsa.runtime.policy import sample_inputs
-from dsa.tools.testing import eager_policy, runfile
+from dsa.tools.testing import aarch64_emulation_missing, eager_policy, run_aarch64, run_module_emulated, runfile
 
-QEMU = shutil.which("qemu-aarch64-static") or "/usr/bin/qemu-aarch64-static"
-SYSROOT = Path("/usr/aarch64-linux-gnu")
-LOADER = SYSROOT / "lib" / "ld-linux-aarch64.so.1"
 TOOLS = runfile("../dsa_runtime_aarch64/bin")
 MANIFEST = runfile("manifests/pi0.yaml")
 CHECKPOINT = runfile("models/pi0.safetensors")
 REL_TOL = 2e-4
 AARCH64 = ["aarch64-neoverse-v2", "aarch64-orin", "aarch64-pi5"]
-IREE_SCALAR = {"int64": "i64", "int32": "i32", "float32": "f32"}
 
-pytestmark = pytest.mark.skipif(
-    not (Path(QEMU).exists() and LOADER.exists()),
-    reason="no qemu-aarch64-static or aarch64 sysroot: run toolchains/emulation/install.sh",
-)
-
-
-def run_aarch64(tool: str, *args: str) -> subprocess.CompletedProcess:
-    """An aarch64 IREE tool under qemu. The loader is called explicitly: qemu's -L alone runs nothing."""
-    argv = [QEMU, "-L", str(SYSROOT), str(LOADER), "--library-path", f"{SYSROOT / 'lib'}", str(TOOLS / tool), *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+pytestmark = pytest.mark.skipif(bool(aarch64_emulation_missing()), reason=aarch64_emulation_missing())
 
 
 def test_the_emulator_runs_aarch64_code():
-    proc = run_aarch64("iree-run-module", "--list_devices")
+    proc = run_aarch64(TOOLS, "iree-run-module", "--list_devices")
     assert proc.returncode == 0 and "local-task://" in proc.stdout, proc.stderr
 
 
@@ -54,28 +37,11 @@ def test_the_emulator_runs_aarch64_code():
 def test_aarch64_module_under_emulation_matches_eager(tmp_path, target, slot, steps):
     index_path = runfile(f"models/pi0_{target}.modules.json")
     index = read_json(index_path)
-    module = index["modules"][slot]
-    base = index_path.parent
-    record = read_json(base / module["record"])
+    record = read_json(index_path.parent / index["modules"][slot]["record"])
     bucket = record["bucket"]["size"]
     values = sample_inputs(record, {}, np.random.default_rng(1000 * slot + steps))
     values["steps"] = np.array(steps, dtype=np.int64)
-    flags = []
-    for spec in record["inputs"]:
-        value = np.asarray(values[spec["name"]])  # (np.ascontiguousarray would make a 0-d array 1-d)
-        if value.ndim == 0:  # iree-run-module reads a 0-d .npy as shape [1]: a scalar goes on the command line
-            flags.append(f"--input={IREE_SCALAR[spec['dtype']]}={value.item()}")
-            continue
-        path = tmp_path / f"{spec['name']}.npy"
-        np.save(path, value)
-        flags.append(f"--input=@{path}")
-    out = tmp_path / "actions.npy"
-    proc = run_aarch64(
-        "iree-run-module", f"--module={base / module['vmfb']}", "--device=local-task", "--function=main",
-        f"--parameters={index['parameter_scope']}={base / index['parameter_archive']}", *flags,
-        f"--output=@{out}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    actions = np.load(out)
+    actions = run_module_emulated(TOOLS, index_path, slot, values, tmp_path)
 
     manifest = load_manifest(MANIFEST)
     eager, spec = eager_policy(project(manifest, "export"), {"prompt_len": bucket}, CHECKPOINT)
