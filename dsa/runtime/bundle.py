@@ -316,6 +316,17 @@ def _write_archive(out: Path, payload: Dict[str, Path], generated: Dict[str, byt
     return sha
 
 
+def _member_digests(payload: Dict[str, Path], generated: Dict[str, bytes]) -> Tuple[Dict[str, str], Dict[str, int]]:
+    """The sha256 and size of every member: the files to copy and the generated ones."""
+    digests: Dict[str, str] = {}
+    sizes: Dict[str, int] = {}
+    for name, path in payload.items():
+        digests[name], sizes[name] = sha256_file(path), path.stat().st_size
+    for name, data in generated.items():
+        digests[name], sizes[name] = hashlib.sha256(data).hexdigest(), len(data)
+    return digests, sizes
+
+
 @dataclasses.dataclass
 class StageInput:
     """One model's files to bundle: its lock, manifest, views, parameters and compiled modules. A single-model
@@ -339,10 +350,12 @@ LINK_JSON = "link.json"
 PIPELINE_JSON = "pipeline.json"
 
 
-def _prefixed_index(index: dict, prefix: str) -> dict:
+def _prefixed_index(index: dict, prefix: str, shared: Sequence[str] = ()) -> dict:
+    """A model's module index with its files named `<prefix><file>`, except the `shared` ones (at the root)."""
     out = dict(index)
     for key in ("parameter_archive", "runtime_view", "target_spec"):
-        out[key] = prefix + index[key]
+        if index[key] not in shared:
+            out[key] = prefix + index[key]
     out["modules"] = [{"vmfb": prefix + m["vmfb"], "record": prefix + m["record"]} for m in index["modules"]]
     return out
 
@@ -450,12 +463,7 @@ def write_bundle(out: Path, stages: Sequence[StageInput], *, link: Optional[Path
     else:
         generated[BUILD_REPORT_JSON] = BuildReport.dumps(reports[0])
 
-    digests: Dict[str, str] = {}
-    sizes: Dict[str, int] = {}
-    for name, path in payload.items():
-        digests[name], sizes[name] = sha256_file(path), path.stat().st_size
-    for name, data in generated.items():
-        digests[name], sizes[name] = hashlib.sha256(data).hexdigest(), len(data)
+    digests, sizes = _member_digests(payload, generated)
     if linked:
         statement = _pipeline_provenance(collected, digests, bundle_name, targets[0])
     else:
@@ -534,9 +542,7 @@ def write_multi_target_bundle(out: Path, targets: Sequence[StageInput], *,
         for name, path in c.payload.items():
             if name not in SHARED_MEMBERS:
                 payload[prefix + name] = path
-        index = dict(c.index, target_spec=prefix + c.index["target_spec"],
-                     modules=[{"vmfb": prefix + m["vmfb"], "record": prefix + m["record"]}
-                              for m in c.index["modules"]])
+        index = _prefixed_index(c.index, prefix, SHARED_MEMBERS)
         generated[prefix + INDEX_JSON] = ModuleIndex.from_json(index, prefix + INDEX_JSON).text().encode("utf-8")
         spec = read_json(c.payload[TARGET_SPEC_JSON])
         tables.append({"target": target, "runtime_driver": spec.get("runtime_driver", "local-task"),
@@ -548,12 +554,7 @@ def write_multi_target_bundle(out: Path, targets: Sequence[StageInput], *,
         "parameters": reports[0]["parameters"],
     })
 
-    digests: Dict[str, str] = {}
-    sizes: Dict[str, int] = {}
-    for name, path in payload.items():
-        digests[name], sizes[name] = sha256_file(path), path.stat().st_size
-    for name, data in generated.items():
-        digests[name], sizes[name] = hashlib.sha256(data).hexdigest(), len(data)
+    digests, sizes = _member_digests(payload, generated)
 
     # One statement: every member a subject; the model's inputs once, each target's spec and flags.
     statement = _provenance(first.lock, digests, first_t.source, bundle_name)

@@ -178,7 +178,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(bundle.describe())
         stage = bundle.select_target(a.target)
         if bundle.is_multi_target:
-            skipped = [t for t in bundle.targets[:bundle.targets.index(bundle.selected)]]
+            skipped = bundle.targets[:bundle.targets.index(bundle.selected)]
             why = bundle.why_not_here() if skipped and not a.target else {}
             print(f"target {bundle.selected}" + (" (chosen with --target)" if a.target else
                   " (the first of the bundle's targets this machine runs" +
