@@ -731,6 +731,85 @@ def decompose_attention(g: _Graph) -> int:
     return count
 
 
+# -- 6. fence_head_split_projections -------------------------------------------------------------------
+
+_PROJECTIONS = (aten.linear.default, aten.matmul.default, aten.mm.default, aten.addmm.default)
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_TRANSPOSES = (aten.transpose.int, aten.permute.default)
+
+
+def _moves_axis(node: fx.Node, axis: int) -> bool:
+    """Whether a transpose/permute node moves `axis` of its input."""
+    rank = _val(node.args[0]).dim()
+    if node.target is aten.transpose.int:
+        a, b = (d % rank for d in node.args[1:3])
+        return a != b and axis in (a, b)
+    return [d % rank for d in node.args[1]][axis] != axis
+
+
+def _is_head_split(view: fx.Node, projected: torch.Tensor) -> bool:
+    """Whether `view` splits the projection's last dim into [heads, head_dim] (heads > 1; the leading dims as
+    they were, or regrouped as torch's multi_head_attention_forward does, [S, B*heads, d]) and its only user
+    is a transpose/permute that moves the heads axis."""
+    if view.op != "call_function" or view.target not in _VIEWS:
+        return False
+    out = _val(view)
+    if not isinstance(out, torch.Tensor) or out.dim() < 3:
+        return False
+    width, head_dim = _static(projected.shape[-1]), _static(out.shape[-1])
+    if width is None or head_dim is None or head_dim >= width or width % head_dim:
+        return False
+    user = _only_user(view)
+    return user is not None and user.op == "call_function" and user.target in _TRANSPOSES and _moves_axis(
+        user, out.dim() - 2)
+
+
+def fence_head_split_projections(g: _Graph) -> int:
+    """A projection (`linear`, `matmul`, `mm`, `addmm` with a 2-D weight) whose result is split into attention
+    heads — `view/reshape [..., H·d] → [..., H, d]`, then a transpose/permute of the heads axis — is fenced on
+    both sides with `dsa::optimization_barrier` (IREE's `util.optimization_barrier`, dsa.stages.custom_ops):
+    the projection compiles as a plain matmul, the head split as a copy dispatch of its own, and the
+    projection's input as it was. Other users of the projection read it unfenced.
+
+    Why: IREE 3.13 propagates the split's transpose into the contraction (global optimisation's transpose
+    propagation, on by default), turning an [S, K] × [K, H·d] matmul into a batch matmul over heads with a
+    broadcast LHS and N = d (`matmul_like_8x302x64x512` in ACT, `matmul_like_12x1024x64x768` in SmolVLA's
+    vision tower), which data tiling and the ukernels serve badly (docs/upstream/head_split_projection.mlir).
+    The fence on the input is needed too: without it the matmul's packed LHS fuses with a preceding layer
+    norm, whose codegen then fails ("One or more operations with large vector sizes"), the same failure that
+    rules out `--iree-global-opt-propagate-transposes=false` for a whole model. Measured (x86-64-v3, O3, data
+    tiling, ukernels, 2 threads): SmolVLA at its real size 6.96 → 5.03 s per 10-step call, ACT 463 → 437 ms;
+    docs/performance.md."""
+    from dsa.stages.custom_ops import optimization_barrier
+
+    barrier = optimization_barrier().default  # registered before a node refers to it
+    fenced_inputs: Dict[fx.Node, fx.Node] = {}
+    count = 0
+    for node in list(g.graph.nodes):
+        if node.op != "call_function" or node.target not in _PROJECTIONS:
+            continue
+        projected = _val(node)
+        if not isinstance(projected, torch.Tensor) or not projected.dtype.is_floating_point:
+            continue
+        x, weight = (node.args[1], node.args[2]) if node.target is aten.addmm.default else node.args[:2]
+        if not isinstance(weight, fx.Node) or getattr(_val(weight), "ndim", 0) != 2:
+            continue  # two activations (an attention score or value matmul), not a projection
+        splits = [u for u in node.users if _is_head_split(u, projected)]
+        if not splits:
+            continue
+        with g.graph.inserting_after(node):
+            fenced = g.emit(barrier, (node,), like=node)
+        for view in splits:
+            view.replace_input_with(node, fenced)
+        if isinstance(x, fx.Node):
+            if x not in fenced_inputs:  # one fence per input, shared by the projections that read it
+                with g.graph.inserting_before(node):
+                    fenced_inputs[x] = g.emit(barrier, (x,), like=node)
+            node.replace_input_with(x, fenced_inputs[x])
+        count += 1
+    return count
+
+
 # -- registry ------------------------------------------------------------------------------------------
 
 
@@ -752,7 +831,8 @@ class Pass:
 PASSES: Dict[str, Pass] = {
     p.__name__: Pass(p.__name__, p)
     for p in (bool_and_to_logical_and, fold_batchnorm, patchify_conv_to_matmul, stem_conv_to_matmul,
-              conv1d_to_matmul, conv_transpose1d_to_matmul, attention_to_sdpa, decompose_attention)
+              conv1d_to_matmul, conv_transpose1d_to_matmul, attention_to_sdpa, decompose_attention,
+              fence_head_split_projections)
 }
 
 # The defaults are chosen for the llvm-cpu targets this release ships (toolchains/targets): there IREE
@@ -761,7 +841,7 @@ PASSES: Dict[str, Pass] = {
 # is fast). The others measured faster or equal. Numbers: docs/performance.md, bench/RESULTS.md.
 DEFAULT_PASSES: Tuple[str, ...] = (
     "bool_and_to_logical_and", "fold_batchnorm", "patchify_conv_to_matmul", "stem_conv_to_matmul",
-    "conv1d_to_matmul", "conv_transpose1d_to_matmul", "decompose_attention",
+    "conv1d_to_matmul", "conv_transpose1d_to_matmul", "decompose_attention", "fence_head_split_projections",
 )
 
 

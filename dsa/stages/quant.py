@@ -158,13 +158,10 @@ def _kernel_ops() -> Dict[str, object]:
     if _KERNEL_OPS:
         return _KERNEL_OPS
     import torch
-    from iree.turbine.runtime.op_reg import CustomOp, def_library, impl_helper
+    from iree.turbine.runtime.op_reg import CustomOp, impl_helper
     from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader
 
-    from dsa.stages import importer_fixes
-
-    importer_fixes.apply()  # iree-turbine's custom-op expansion needs the MLIR bindings' old isinstance API
-    library = def_library("dsa")
+    from dsa.stages.custom_ops import library
 
     class _Text(TemplateLoader):  # the "template" is the MLIR text itself
         def load_template(self, kb, name, **kwargs):
@@ -196,7 +193,7 @@ def _kernel_ops() -> Dict[str, object]:
                 kb.yield_results(*impl_helper.call_function(function, *kb.arg_bindings))
 
         _Op.__name__ = f"{kind}_matmul"
-        return CustomOp.register(library=library)(_Op)
+        return CustomOp.register(library=library())(_Op)
 
     _KERNEL_OPS.update({kind: make(kind) for kind in ("int4", "int8")})
     return _KERNEL_OPS

@@ -562,6 +562,83 @@ def test_decompose_attention_leaves_causal_attention_fused():
     assert count == 0 and aten.scaled_dot_product_attention.default in _targets(rewritten)
 
 
+# -- fence_head_split_projections -----------------------------------------------------------------------
+
+
+def _barriers(program):
+    return [n for m in program.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
+            for n in m.graph.nodes if n.op == "call_function" and "optimization_barrier" in str(n.target)]
+
+
+class CrossAttention(nn.Module):
+    """torch's own multi_head_attention_forward with distinct query, key and value (ACT's encoder and decoder):
+    three projections, each `linear → view [L, B*H, d] → transpose(0, 1)`."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, heads)
+
+    def forward(self, x, pos):
+        qk = x + pos
+        return self.attn(qk, qk, x, need_weights=False)[0]
+
+
+def test_head_split_projections_are_fenced_on_both_sides_and_match_eager():
+    module, args = CrossAttention(), (torch.randn(10, 1, 32), torch.randn(10, 1, 32))
+    _, rewritten, count = _rewrite(module, args, "fence_head_split_projections")
+    assert count == 3  # q, k, v
+    fences = _barriers(rewritten)
+    # One after each projection, one before: q and k read the same `x + pos` (one shared fence), v reads x.
+    assert len(fences) == 3 + 2
+    projections = [n for n in rewritten.graph.nodes if n.target is aten.linear.default]
+    for p in projections[:3]:
+        assert "optimization_barrier" in str(p.args[0].target)
+        if any(u.target is aten.view.default for u in p.users):
+            pytest.fail(f"{p.name} still feeds its head split directly")
+    _assert_matches_eager(module, rewritten, args, rtol=0)
+
+
+def test_packed_qkv_head_split_is_fenced():
+    module, args = Attention(None), (torch.randn(2, 6, 32),)
+    _, rewritten, count = _rewrite(module, args, "fence_head_split_projections")
+    assert count == 1  # the packed qkv projection; the output projection reads merged heads and stays as it is
+    assert len(_barriers(rewritten)) == 2
+    _assert_matches_eager(module, rewritten, args, rtol=0)
+
+
+class NotASplit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        flat = self.a(x).reshape(2, 4, 4)             # split, no transpose
+        moved = self.b(x).transpose(0, 1)             # transpose, no split
+        scores = torch.matmul(x, y.transpose(0, 1))   # two activations
+        return flat.sum() + moved.sum() + scores.sum()
+
+
+def test_projections_without_a_head_split_and_activation_matmuls_are_left_alone():
+    _, rewritten, count = _rewrite(NotASplit(), (torch.randn(2, 16), torch.randn(2, 16)),
+                                   "fence_head_split_projections")
+    assert count == 0 and not _barriers(rewritten)
+
+
+def test_fenced_projection_imports_as_optimization_barriers(tmp_path):
+    from iree.turbine import aot
+
+    from dsa.stages import importer_fixes
+
+    importer_fixes.apply()
+    _, rewritten, _ = _rewrite(CrossAttention(), (torch.randn(10, 1, 32), torch.randn(10, 1, 32)),
+                               "fence_head_split_projections")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mlir = str(aot.export(rewritten).mlir_module)
+    assert mlir.count("util.optimization_barrier") == 5
+    assert 'torch.operator "' not in mlir
+
+
 # -- end to end ----------------------------------------------------------------------------------------
 
 
@@ -603,10 +680,11 @@ def test_rewritten_program_imports_compiles_and_runs_like_eager(tmp_path):
     program = _export(module, (image, keep))
     rewritten, counts = apply_passes(program, list(PASSES))
     # attention_to_sdpa makes one SDPA; decompose_attention (its inverse, later in the order) takes it apart.
-    # The 3-channel stem (its batch norm folded first) becomes im2col + matmul.
+    # The 3-channel stem (its batch norm folded first) becomes im2col + matmul; the packed qkv projection is
+    # fenced from its head split.
     assert counts == {"bool_and_to_logical_and": 1, "fold_batchnorm": 1, "patchify_conv_to_matmul": 2,
                       "stem_conv_to_matmul": 1, "conv1d_to_matmul": 0, "conv_transpose1d_to_matmul": 0,
-                      "attention_to_sdpa": 1, "decompose_attention": 1}
+                      "attention_to_sdpa": 1, "decompose_attention": 1, "fence_head_split_projections": 1}
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
