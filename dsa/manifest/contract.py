@@ -42,6 +42,10 @@ SCHEMA: Dict[str, Any] = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
 # (major, minor, patch) of the schema this release reads.
 SCHEMA_VERSION: Tuple[int, int, int] = tuple(int(p) for p in SCHEMA["x-version"].split("."))
 EXTENSION_PREFIX = "x-"
+# Frameworks whose model is a file the export imports as it is (model.file), not code an entry point builds.
+FILE_FRAMEWORKS: Tuple[str, ...] = ("onnx", "stablehlo")
+# Framework → the MLIR input dialect of its export, when not torch (the compile stage's --iree-input-type).
+INPUT_TYPES: Dict[str, str] = {"onnx": "onnx", "stablehlo": "stablehlo"}
 
 # View name → the stage that reads it.
 VIEWS: Dict[str, str] = {
@@ -58,7 +62,7 @@ _VIEW_FIELDS: Dict[str, Tuple[str, ...]] = {
         "quant_scheme",
     ),
     "params": ("model_id", "checkpoint", "quant_scheme"),
-    "compile": ("model_id", "quant_scheme", "targets", "tuning"),
+    "compile": ("model_id", "framework", "quant_scheme", "targets", "tuning"),
     "bucket": ("buckets",),
     "runtime": (
         "model_id", "chunk_size", "n_action_steps", "flow_steps", "buckets", "power_profile", "normalization",
@@ -438,6 +442,28 @@ def _semantic_problems(
 ) -> Iterator[Tuple[FieldPath, str, str]]:
     """Yields (field path, message, hint) for what the schema cannot express, in manifest order."""
     model = manifest["model"]
+    framework = manifest["framework"]
+    model_props = SCHEMA["properties"]["model"]["properties"]
+    if framework in FILE_FRAMEWORKS:
+        if "file" not in model:
+            yield (("model", "file"), "missing required field",
+                   f"framework '{framework}' imports a model file: add model.file: {{path: ..., sha256: ...}}")
+        for field in ("entry_point", "config", "rewrites"):
+            if field in model:
+                yield (
+                    ("model", field),
+                    f"model.{field} is read only for frameworks 'pytorch' and 'lerobot' (this manifest's: "
+                    f"'{framework}' imports model.file as it is)",
+                    f"remove model.{field}",
+                )
+    else:
+        if "entry_point" not in model:
+            yield (("model", "entry_point"), "missing required field", model_props["entry_point"]["description"])
+        if "file" in model:
+            yield (("model", "file"),
+                   f"model.file is read only for frameworks {', '.join(repr(f) for f in FILE_FRAMEWORKS)} "
+                   f"(this manifest's: '{framework}' builds the model from model.entry_point)",
+                   "remove model.file, or set the framework of the file")
     if manifest["framework"] == "lerobot" and "policy_config" not in model:
         yield (
             ("model",),
@@ -587,6 +613,8 @@ def project(
         result = {"model_id": m["model_id"], "quant_scheme": m["quant_scheme"], "target": target}
         if "tuning" in m:  # only when set, so that manifests without it keep their compile views' bytes
             result["tuning"] = m["tuning"]
+        if m["framework"] in INPUT_TYPES:  # likewise: torch-dialect exports keep their views' bytes
+            result["input_type"] = INPUT_TYPES[m["framework"]]
     elif view == "bucket":
         dim, slot = bucket
         if dim not in m["buckets"]:

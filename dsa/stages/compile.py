@@ -127,8 +127,8 @@ def compile_flags(view: dict, target: dict, where: str, tuning: Optional[dict] =
             "pass the matching toolchains/targets spec",
         )
     tuned = tuning_flags(tuning, target, f"{where} (tuning)") if tuning is not None else []
-    return ["--iree-input-type=torch", *target_flags(target, where), *tuned, *manifest_flags(view, target),
-            *REPRODUCIBILITY_FLAGS]
+    return [f"--iree-input-type={view.get('input_type', 'torch')}", *target_flags(target, where), *tuned,
+            *manifest_flags(view, target), *REPRODUCIBILITY_FLAGS]
 
 
 def _compiler_version() -> str:

@@ -35,6 +35,9 @@ from dsa.stages.quant import quantize_module
 from dsa.stages.spec import DTYPE_NAMES, ExportSpec, InputSpec
 
 PARAMETER_SCOPE = "model"
+# Frameworks whose model is a file imported as it is (the manifest's model.file; dsa.manifest.contract
+# validates that exactly these have one), not code an entry point builds.
+FILE_FRAMEWORKS = ("onnx", "stablehlo")
 # Upper bound given to torch.export for a dynamic dim. IREE does not enforce it at run time; the runner does.
 DYNAMIC_DIM_MAX = 65536
 # Seed of the example inputs used for tracing (values never reach the artifact, only shapes do).
@@ -437,8 +440,14 @@ def export_model(
     manifest_name: str = "manifest",
     rewrites: Optional[Sequence[str]] = None,
     policy_config: Optional[Union[str, Path]] = None,
+    model_file: Optional[Union[str, Path]] = None,
 ) -> dict:
-    """Exports the model that `view["model"]["entry_point"]` builds. Returns the export record."""
+    """Exports the model that `view["model"]["entry_point"]` builds (frameworks pytorch, lerobot), or imports
+    the model file (`model_file`, the manifest's model.file: frameworks onnx, stablehlo). Returns the export
+    record."""
+    if view["framework"] in FILE_FRAMEWORKS:
+        return _import_model_file(view, out_mlir, out_record, model_file, bucket=bucket,
+                                  reference_record=reference_record, manifest_name=manifest_name)
     import numpy as np
     import torch
     from iree.turbine import aot
@@ -549,6 +558,33 @@ def export_model(
     return record
 
 
+def _import_model_file(view: dict, out_mlir: Path, out_record: Path, model_file, *, bucket, reference_record,
+                       manifest_name: str) -> dict:
+    """DsaExport of a framework whose model is a file (onnx: dsa.stages.onnx_import; stablehlo:
+    dsa.stages.stablehlo_import): the same outputs and record checks as a PyTorch export."""
+    if model_file is None:
+        raise DsaError(f"{manifest_name}: model.file",
+                       f"framework '{view['framework']}' imports a model file, and none was given",
+                       "pass the manifest's model.file (dsa_model(model_file = ...), --model-file)")
+    model_file = Path(model_file)
+    if not model_file.is_file():
+        raise DsaError(f"{manifest_name}: model.file", f"no such file: {model_file}",
+                       "build or copy the model file next to the manifest")
+    if view["framework"] == "onnx":
+        from dsa.stages.onnx_import import export_onnx as importer
+    else:
+        from dsa.stages.stablehlo_import import export_stablehlo as importer
+    mlir, record = importer(view, model_file, bucket=bucket, manifest_name=manifest_name)
+    record = dict(format=RECORD_FORMAT, **record)
+    if reference_record is not None and reference_record["parameters"] != record["parameters"]:
+        raise DsaError(f"{manifest_name}: model.file ({model_file})",
+                       "the bucket import's parameters differ from the model import's",
+                       "make the model's weights independent of its dynamic dims")
+    write_bytes_atomic(out_mlir, mlir.encode("utf-8"))
+    ExportRecord.write(out_record, record)
+    return record
+
+
 def _version(dist: str) -> str:
     from importlib import metadata
 
@@ -573,6 +609,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--pythonpath", action="append", default=[], help="directory holding model code")
     parser.add_argument("--manifest-name", default="manifest", help="manifest path, for messages")
     parser.add_argument("--policy-config", help="framework lerobot: the policy's config.json")
+    parser.add_argument("--model-file", help="frameworks onnx, stablehlo: the manifest's model.file")
     parser.add_argument("--out-mlir", required=True)
     parser.add_argument("--out-record", required=True)
     a = parser.parse_args(argv)
@@ -594,6 +631,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         pythonpath=a.pythonpath,
         manifest_name=a.manifest_name,
         policy_config=a.policy_config,
+        model_file=a.model_file,
     )
 
 

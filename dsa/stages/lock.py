@@ -45,6 +45,7 @@ def make_lock(
     tuning: Optional[tuple] = None,
     policy_config: Optional[Path] = None,
     export_identity: Optional[dict] = None,
+    model_file: Optional[Path] = None,
 ) -> dict:
     """`tuning`: (repository-relative key, path) of the tuning file the modules were compiled with.
     `policy_config`: framework lerobot, the policy's config.json; `export_identity`: the environment the
@@ -83,6 +84,8 @@ def make_lock(
     }
     if policy_config is not None:
         lock["policy_config"] = {"sha256": sha256_file(policy_config)}
+    if model_file is not None:
+        lock["model_file"] = {"sha256": sha256_file(model_file)}
     if export_identity is not None:
         lock["export_toolchain"] = export_identity
     if tuning is not None:
@@ -136,6 +139,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--params", required=True)
     parser.add_argument("--tuning", help="KEY=PATH of the tuning file the modules were compiled with")
     parser.add_argument("--policy-config", help="framework lerobot: the policy's config.json")
+    parser.add_argument("--model-file", help="frameworks onnx, stablehlo: the model file the export imported")
     parser.add_argument("--export-identity", help="identity.json of the environment the export ran in, if another")
     parser.add_argument("--out", required=True)
     # The module index of these modules (dsa_vmfb's <name>.modules.json), written here so that one writer,
@@ -163,6 +167,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         params=Path(a.params),
         tuning=next(iter(_pairs([a.tuning], "--tuning").items())) if a.tuning else None,
         policy_config=Path(a.policy_config) if a.policy_config else None,
+        model_file=Path(a.model_file) if a.model_file else None,
         export_identity=read_json(a.export_identity) if a.export_identity else None,
     )
     Lock.write(a.out, lock)

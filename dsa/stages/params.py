@@ -51,6 +51,78 @@ def open_checkpoint(checkpoint: Path, framework: str = "pt"):
                        "point checkpoint.path at a .safetensors file") from None
 
 
+class OnnxTensors:
+    """An ONNX model's weights by parameter name, as an ONNX export record places them (framework onnx):
+    slices of the external-data file at the recorded offsets, or — when `checkpoint` is the .onnx file itself
+    — its inline initializers. The same interface as a safetensors handle: keys(), get_tensor(name)."""
+
+    def __init__(self, checkpoint: Path, record: dict):
+        import numpy as np
+
+        self.path = Path(checkpoint)
+        self.entries = {p["name"]: p for p in record["parameters"]}
+        self.inline = None
+        self._np = np
+        external = [p for p in record["parameters"] if not p["onnx"].get("inline")]
+        if any(p["onnx"].get("inline") for p in record["parameters"]) or self.path.suffix == ".onnx":
+            import onnx
+
+            try:
+                model = onnx.load(str(self.path), load_external_data=False)
+            except Exception as e:
+                raise DsaError(str(self.path), f"not a readable ONNX model: {type(e).__name__}",
+                               "for framework onnx, checkpoint.path is the model's external-data file, or the "
+                               ".onnx file itself when its weights are inline") from None
+            self.inline = {t.name: t for t in model.graph.initializer}
+            if external:
+                raise DsaError(str(self.path), f"{len(external)} weight(s) of the model are in its external-data "
+                               f"file ({record.get('onnx', {}).get('external_data')}), not in this .onnx file",
+                               "point checkpoint.path at the external-data file")
+        self.size = self.path.stat().st_size
+
+    def keys(self):
+        return list(self.entries)
+
+    def get_tensor(self, name: str):
+        import torch
+        from onnx import numpy_helper
+
+        from dsa.stages.spec import DTYPE_NAMES
+
+        entry = self.entries[name]
+        source = entry["onnx"]
+        if source.get("inline"):
+            array = numpy_helper.to_array(self.inline[source["initializer"]])
+        else:
+            offset, length = source["offset"], source["length"]
+            if length is None or offset < 0 or offset + length > self.size:
+                raise DsaError(f"{self.path}: tensor '{name}'",
+                               f"lies at bytes {offset}..{offset + (length or 0)}, past the file's {self.size} bytes",
+                               "use the external-data file saved with this .onnx graph")
+            dtype = {v: k for k, v in DTYPE_NAMES.items()}[entry["dtype"]]
+            with open(self.path, "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+            tensor = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+            count = 1
+            for d in entry["shape"]:
+                count *= d
+            if tensor.numel() != count:
+                raise DsaError(f"{self.path}: tensor '{name}'",
+                               f"has {tensor.numel()} values at its recorded place, the model expects {count}",
+                               "use the external-data file saved with this .onnx graph")
+            return tensor.reshape(entry["shape"])
+        return torch.from_numpy(self._np.ascontiguousarray(array))
+
+
+def open_tensors(checkpoint: Path, record: dict):
+    """The checkpoint's tensors by parameter name: a safetensors handle, or for an ONNX export (framework
+    onnx) the model's weights where its record places them."""
+    if record.get("framework") == "onnx":
+        return OnnxTensors(checkpoint, record)
+    return open_checkpoint(checkpoint)
+
+
 def build_params(
     checkpoint: Path,
     view: dict,
@@ -75,7 +147,7 @@ def build_params(
         )
     quantized = quantization["tensors"]
 
-    handle = open_checkpoint(checkpoint)
+    handle = open_tensors(checkpoint, record)
     # What the checkpoint must hold: the float weight behind each quantised tensor, every other parameter
     # as recorded; scales are derived, not read.
     wanted = {}

@@ -74,6 +74,7 @@ def build_into(
     policy_config: Optional[Path] = None,
     tuning_dir: Optional[Path] = None,
     targets: Optional[List[str]] = None,
+    model_file: Optional[Path] = None,
 ) -> List[Path]:
     """Builds every artifact of the manifest's model into the (empty) directory `out`; returns the module index
     of each target (`targets`, default: every target the manifest lists). Beside each index lies `<target>.lock.json`, the same recipe lock the Bazel rules write.
@@ -114,17 +115,23 @@ def build_into(
         raise DsaError("--checkpoint", f"{checkpoint} is not a regular file", "pass a .safetensors file")
 
     check_checkpoint_digest(checkpoint, params_view, name)  # before the export: it can take minutes
-    open_checkpoint(checkpoint, framework="numpy")  # a readable safetensors file, also before the export
+    if manifest["framework"] != "onnx":  # an ONNX model's weights are checked against its import's record
+        open_checkpoint(checkpoint, framework="numpy")  # a readable safetensors file, also before the export
     if policy_config is None and "policy_config" in manifest["model"]:
         # framework lerobot: the policy's config.json, relative to the manifest
         policy_config = manifest_file(manifest_path, manifest["model"]["policy_config"]["path"],
                                       "model.policy_config.path", "pass --policy-config FILE")
-    entry_point = export_view["model"]["entry_point"]
+    if model_file is None and "file" in manifest["model"]:
+        # frameworks onnx, stablehlo: the model file, relative to the manifest
+        model_file = manifest_file(manifest_path, manifest["model"]["file"]["path"], "model.file.path",
+                                   "pass --model-file FILE")
+    entry_point = export_view["model"].get("entry_point", "")
     sources = {}
-    for rel in model_source_files(entry_point, pythonpath):
+    for rel in model_source_files(entry_point, pythonpath) if entry_point else ():
         sources[rel] = next(str(Path(root) / rel) for root in pythonpath if (Path(root) / rel).exists())
     record = stage("export", export_model, export_view, out / "model.mlir", out / "export_record.json",
-                   sources=sources, pythonpath=pythonpath, manifest_name=name, policy_config=policy_config)
+                   sources=sources, pythonpath=pythonpath, manifest_name=name, policy_config=policy_config,
+                   model_file=model_file)
     stage("params", build_params, checkpoint, params_view, record, out / "params.irpa", manifest_name=name)
 
     view_files = {"export": views / "export_view.json", "params": views / "params_view.json",
@@ -138,13 +145,14 @@ def build_into(
             write_json_atomic(view_files[f"bucket/{dim}_{slot}"], bucket)
             stage(f"export {dim}_{slot}", export_model, export_view, stem.with_suffix(".mlir"),
                   stem.with_suffix(".export_record.json"), bucket=bucket, reference_record=record,
-                  sources=sources, pythonpath=pythonpath, manifest_name=name, policy_config=policy_config)
+                  sources=sources, pythonpath=pythonpath, manifest_name=name, policy_config=policy_config,
+                  model_file=model_file)
             exported.append((stem.with_suffix(".mlir"), stem.with_suffix(".export_record.json")))
     if not exported:
         exported.append((out / "model.mlir", out / "export_record.json"))
     import dsa
 
-    tool_sources = stage_source_files(Path(dsa.__file__).parent, manifest["model"]["entry_point"])
+    tool_sources = stage_source_files(Path(dsa.__file__).parent, entry_point)
     environment = identity(str(requirements_lock))
 
     indexes = []
@@ -187,6 +195,7 @@ def build_into(
             params=out / "params.irpa",
             tuning=(_tuning_key(tuning_file), tuning_file) if tuning_file else None,
             policy_config=policy_config,
+            model_file=model_file,
         ))
         indexes.append(index)
     write_timings(out / "timings.json", stage.timings, time.monotonic() - started)
@@ -321,6 +330,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--policy-config", type=Path,
                         help="framework lerobot: the policy's config.json (default: model.policy_config.path, "
                         "relative to the manifest)")
+    parser.add_argument("--model-file", type=Path,
+                        help="frameworks onnx, stablehlo: the model file (default: model.file.path, relative to "
+                        "the manifest)")
     parser.add_argument("--target", action="append", default=[], metavar="NAME", dest="targets",
                         help="compile for this target of the manifest's `targets` (repeatable; default: all)")
     parser.add_argument("--tuning", action="append", default=[], metavar="TARGET=FILE",
@@ -332,7 +344,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     a = parser.parse_args(argv)
     # Every file argument is checked before any work (an export can take minutes).
     for flag, path in (("--manifest", a.manifest), ("--checkpoint", a.checkpoint),
-                       ("--policy-config", a.policy_config), ("--requirements-lock", a.requirements_lock)):
+                       ("--policy-config", a.policy_config), ("--model-file", a.model_file),
+                       ("--requirements-lock", a.requirements_lock)):
         if path is not None and not path.is_file():
             raise DsaError(flag, f"no file at {path}")
     if not a.targets_dir.is_dir():
@@ -342,7 +355,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                            seeded_checkpoint=a.seeded_checkpoint,
                            pythonpath=a.pythonpath or default_pythonpath(a.manifest),
                            requirements_lock=a.requirements_lock, tuning=tuning,
-                           policy_config=a.policy_config, tuning_dir=a.tuning_dir, targets=a.targets or None)
+                           policy_config=a.policy_config, tuning_dir=a.tuning_dir, targets=a.targets or None,
+                           model_file=a.model_file)
     for index in indexes:
         print(f"dsa compile: wrote {index} and {index.name.replace('.modules.json', '.lock.json')}")
 

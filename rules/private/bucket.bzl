@@ -26,6 +26,8 @@ def _dsa_bucket_impl(ctx):
         args.add_all(model.own_sources, before_each = "--source")
         if model.policy_config:
             args.add("--policy-config", model.policy_config)
+        if model.model_file:
+            args.add("--model-file", model.model_file)
         args.add("--out-mlir", mlir)
         args.add("--out-record", record)
         run_tool(
@@ -35,7 +37,7 @@ def _dsa_bucket_impl(ctx):
             "dsa.stages.export",
             [args],
             depset(
-                [model.export_view, view, model.export_record] + ([model.policy_config] if model.policy_config else []),
+                [model.export_view, view, model.export_record] + [f for f in [model.policy_config, model.model_file] if f],
                 transitive = [model.model_sources],
             ),
             outputs = [mlir, record],

@@ -45,6 +45,9 @@ def _dsa_model_impl(ctx):
     policy_config = ctx.file.policy_config
     if policy_config:
         args.add("--policy-config", policy_config)
+    model_file = ctx.file.model_file
+    if model_file:
+        args.add("--model-file", model_file)
     args.add("--out-mlir", mlir)
     args.add("--out-record", record)
     python_env = python_env_of(ctx.attr.python_env)
@@ -54,10 +57,10 @@ def _dsa_model_impl(ctx):
         ctx.attr._export_tool,
         "dsa.stages.export",
         [args],
-        depset([export_view] + ([policy_config] if policy_config else []), transitive = [sources]),
+        depset([export_view] + [f for f in [policy_config, model_file] if f], transitive = [sources]),
         outputs = [mlir, record],
         mnemonic = "DsaExport",
-        progress_message = "Exporting %s to torch-dialect MLIR" % ctx.label,
+        progress_message = ("Importing %s" if model_file else "Exporting %s to torch-dialect MLIR") % ctx.label,
         execution_requirements = execution_requirements(ctx),
     )
 
@@ -95,6 +98,7 @@ def _dsa_model_impl(ctx):
             own_sources = own_sources,
             pythonpath = pythonpath_of(source_list),
             policy_config = policy_config,
+            model_file = model_file,
             python_env = python_env,
         ),
         OutputGroupInfo(views = depset([export_view, params_view, runtime_view])),
@@ -102,15 +106,17 @@ def _dsa_model_impl(ctx):
 
 dsa_model = rule(
     implementation = _dsa_model_impl,
-    doc = """Exports a PyTorch policy with its parameters externalised, and archives its checkpoint.
+    doc = """Exports a policy with its parameters externalised, and archives its checkpoint.
 
-The manifest's `model.entry_point` names the function (in `deps`) that builds the policy; the export
-(DsaExport) reads only the manifest's export view and the model code, the parameter archive (DsaParams)
-only the checkpoint, the params view and the export record. So a new checkpoint of the same architecture
-reruns DsaParams alone.""",
+For frameworks pytorch and lerobot the manifest's `model.entry_point` names the function (in `deps`) that
+builds the policy; for onnx and stablehlo the export imports `model_file` (the manifest's model.file). The
+export (DsaExport) reads only the manifest's export view and the model code or file, the parameter archive
+(DsaParams) only the checkpoint, the params view and the export record. So a new checkpoint of the same
+architecture reruns DsaParams alone.""",
     attrs = dict(TOOL_ATTRS, **dict(ENV_ATTRS, **{
         "manifest": attr.label(mandatory = True, allow_single_file = [".yaml", ".yml"], doc = "Deployment manifest."),
-        "checkpoint": attr.label(mandatory = True, allow_single_file = [".safetensors"], doc = "Checkpoint (safetensors); its sha256 must match the manifest's."),
+        "checkpoint": attr.label(mandatory = True, allow_single_file = [".safetensors", ".onnx", ".data", ".bin"], doc = "Checkpoint: safetensors; for framework onnx the model's external-data file (or the .onnx file when its weights are inline). Its sha256 must match the manifest's."),
+        "model_file": attr.label(allow_single_file = [".onnx", ".mlir"], doc = "frameworks onnx, stablehlo: the model file the export imports (its sha256 must match the manifest's model.file)."),
         "policy_config": attr.label(allow_single_file = [".json"], doc = "framework lerobot: the policy's config.json (its sha256 must match the manifest's model.policy_config)."),
         "deps": attr.label_list(providers = [PyInfo], doc = "py_library targets holding the model code."),
         "_export_tool": attr.label(default = Label("//dsa:export_tool"), executable = True, cfg = "exec"),

@@ -33,6 +33,7 @@ def dsa_policy(
         lerobot_config = None,
         lerobot_policy = None,
         policy_config = None,
+        model_file = None,
         bucket = None,
         tuning = None,
         more_targets = {},
@@ -65,6 +66,9 @@ def dsa_policy(
       lerobot_policy: a LeRobot policy directory target already in the package (a dsa_lerobot_policy), to
         share its weights and config.json instead of making one.
       policy_config: a trained LeRobot policy's config.json (with `checkpoint`, its model.safetensors).
+      model_file: frameworks onnx and stablehlo: the model file (the manifest's model.file), with
+        `checkpoint` (an ONNX model's external-data file, or the .onnx itself when its weights are inline; a
+        StableHLO module's parameters as .safetensors).
       bucket: `{"dim": DIM, "count": N}`: one module per size of the manifest's `buckets.DIM` list.
       tuning: the measured tuning file of the model's family for `target` (toolchains/tuning).
       more_targets: {dsa_target label: its tuning file label, or None}: further targets to build the same
@@ -85,6 +89,10 @@ def dsa_policy(
              "one of this package) and policy_config (a trained policy's config.json, with checkpoint)")
     if policy_config and not checkpoint:
         fail("dsa_policy %s: policy_config needs checkpoint (the policy's model.safetensors)" % name)
+    if model_file and not checkpoint:
+        fail("dsa_policy %s: model_file needs checkpoint (its weights; no seeded stand-in is made for a model file)" % name)
+    if model_file and (deps or lerobot_config or lerobot_policy or policy_config):
+        fail("dsa_policy %s: model_file is imported as it is: it takes no deps and no LeRobot policy" % name)
     if bucket != None and sorted(bucket.keys()) != ["count", "dim"]:
         fail("dsa_policy %s: bucket must be {\"dim\": DIM, \"count\": N}, got %s" % (name, bucket))
 
@@ -114,6 +122,7 @@ def dsa_policy(
         checkpoint = checkpoint,
         manifest = manifest,
         policy_config = policy_config,
+        model_file = model_file,
         python_env = python_env,
         deps = deps,
         tags = tags,
@@ -158,6 +167,8 @@ def _index_impl(ctx):
             manifest = model.manifest.short_path,
             checkpoint = model.checkpoint.short_path,
             python = model.python_env.python.short_path if model.python_env else None,
+            # Frameworks onnx, stablehlo: the model file the export imports, else None.
+            model_file = model.model_file.short_path if model.model_file else None,
             test = test,
         ))
     pipelines = []

@@ -25,6 +25,7 @@ DsaModelInfo = provider(
         "own_sources": "list of Files: the model's own sources (model_sources without rules_dsa's dsa package).",
         "pythonpath": "list of str: execroot-relative directories that hold the model code's packages.",
         "policy_config": "File or None: framework lerobot, the policy's config.json.",
+        "model_file": "File or None: frameworks onnx, stablehlo: the model file the export imports.",
         "python_env": "struct(python, identity, files) or None: the environment the export runs in, when not the toolchain's.",
     },
 )

@@ -27,6 +27,9 @@ def _lock_action(ctx, lock, index, spec, model, target, tuning, compile_view, bu
     if model.policy_config:
         args.add("--policy-config", model.policy_config)
         extra.append(model.policy_config)
+    if model.model_file:
+        args.add("--model-file", model.model_file)
+        extra.append(model.model_file)
     if model.python_env:
         args.add("--export-identity", model.python_env.identity)
         extra.append(model.python_env.identity)
