@@ -769,7 +769,9 @@ def fence_head_split_projections(g: _Graph) -> int:
     heads — `view/reshape [..., H·d] → [..., H, d]`, then a transpose/permute of the heads axis — is fenced on
     both sides with `dsa::optimization_barrier` (IREE's `util.optimization_barrier`, dsa.stages.custom_ops):
     the projection compiles as a plain matmul, the head split as a copy dispatch of its own, and the
-    projection's input as it was. Other users of the projection read it unfenced.
+    projection's input as it was. Other users of the projection read it unfenced. Static shapes only (a bucket):
+    IREE 3.13 cannot resolve a dynamic dim through the barrier ("'tensor.dim' op unexpected during shape
+    cleanup"), and a dynamic module is not data-tiled, where the fold does its harm.
 
     Why: IREE 3.13 propagates the split's transpose into the contraction (global optimisation's transpose
     propagation, on by default), turning an [S, K] × [K, H·d] matmul into a batch matmul over heads with a
@@ -792,6 +794,8 @@ def fence_head_split_projections(g: _Graph) -> int:
         if not isinstance(projected, torch.Tensor) or not projected.dtype.is_floating_point:
             continue
         x, weight = (node.args[1], node.args[2]) if node.target is aten.addmm.default else node.args[:2]
+        if not all(_static(d) is not None for v in (projected, _val(x)) for d in getattr(v, "shape", ())):
+            continue  # a dynamic dim: IREE cannot resolve it through the barrier (and does not data-tile there)
         if not isinstance(weight, fx.Node) or getattr(_val(weight), "ndim", 0) != 2:
             continue  # two activations (an attention score or value matmul), not a projection
         splits = [u for u in node.users if _is_head_split(u, projected)]

@@ -624,6 +624,13 @@ def test_projections_without_a_head_split_and_activation_matmuls_are_left_alone(
     assert count == 0 and not _barriers(rewritten)
 
 
+def test_head_split_with_a_dynamic_dim_is_left_unfenced():
+    module, args = Attention(None), (torch.randn(2, 6, 32),)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    _, rewritten, count = _rewrite(module, args, "fence_head_split_projections", dynamic_shapes=({0: batch},))
+    assert count == 0 and not _barriers(rewritten)
+
+
 def test_fenced_projection_imports_as_optimization_barriers(tmp_path):
     from iree.turbine import aot
 
