@@ -21,8 +21,10 @@ load(
     _DsaModelInfo = "DsaModelInfo",
     _DsaModuleInfo = "DsaModuleInfo",
     _DsaPipelineInfo = "DsaPipelineInfo",
+    _DsaPteInfo = "DsaPteInfo",
     _DsaTargetInfo = "DsaTargetInfo",
 )
+load("//rules/private:pte.bzl", _dsa_pte = "dsa_pte")
 load("//rules/private:vmfb.bzl", _dsa_vmfb = "dsa_vmfb")
 load("//rules/private:bundle.bzl", _dsa_bundle = "dsa_bundle", _dsa_release = "dsa_release")
 load("//rules/private:link.bzl", _dsa_pipeline = "dsa_pipeline")
@@ -41,6 +43,10 @@ dsa_target = _dsa_target
 dsa_checkpoint = _dsa_checkpoint
 dsa_lerobot_policy = _dsa_lerobot_policy
 
+# The ExecuTorch Plan B: `dsa_pte(name, model = ":<policy>_model")` builds the same model and checkpoint into
+# an XNNPACK .pte (rules/private/pte.bzl); `dsa_bundle(pte = ...)` ships it with its provenance.
+dsa_pte = _dsa_pte
+
 # Split policies: `dsa_pipeline(name, stages = [dsa_vmfb...], edges = {"head.x": "backbone.x"})` links compiled
 # models by the tensors they exchange, checking each edge's shape and dtype (rules/private/link.bzl).
 dsa_pipeline = _dsa_pipeline
@@ -49,6 +55,7 @@ DsaModelInfo = _DsaModelInfo
 DsaBucketInfo = _DsaBucketInfo
 DsaModuleInfo = _DsaModuleInfo
 DsaPipelineInfo = _DsaPipelineInfo
+DsaPteInfo = _DsaPteInfo
 DsaTargetInfo = _DsaTargetInfo
 
 def dsa_runner(name, module, args = [], **kwargs):

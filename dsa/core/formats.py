@@ -24,7 +24,12 @@ BUNDLE_FORMAT = 1
 # A bundle of one model's modules for several targets, sharing one parameter archive (docs/bundle-format.md,
 # "Multi-target bundles"): a new format, since a format-1 reader would not find its modules.
 MULTI_TARGET_BUNDLE_FORMAT = 2
-BUNDLE_FORMATS = (BUNDLE_FORMAT, MULTI_TARGET_BUNDLE_FORMAT)  # what this release reads
+# A bundle of an ExecuTorch program (dsa_pte: the Plan B beside the vmfb; docs/bundle-format.md, "ExecuTorch
+# bundles"): a new format, since it holds no IREE module a format-1 or -2 reader could run.
+EXECUTORCH_BUNDLE_FORMAT = 3
+BUNDLE_FORMATS = (BUNDLE_FORMAT, MULTI_TARGET_BUNDLE_FORMAT, EXECUTORCH_BUNDLE_FORMAT)  # what this release reads
+# <name>.pte_record.json: what DsaPte built (inputs, outputs, delegation, provenance).
+PTE_RECORD_FORMAT = 1
 BUILD_REPORT_FORMAT = 1
 # Parameter archives (.irpa): each entry's metadata is this prefix + JSON {type, dtype, shape}, as
 # iree-turbine's ParameterArchiveBuilder writes it, so turbine's ParameterArchive reads ours back.
@@ -136,6 +141,12 @@ class ExportRecord(JsonArtifact):
     KIND = "export record"
     FORMAT = RECORD_FORMAT
     REQUIRED = ("model_id", "function", "parameter_scope", "inputs", "outputs", "parameters")
+
+
+class PteRecord(JsonArtifact):
+    KIND = "ExecuTorch program record"
+    FORMAT = PTE_RECORD_FORMAT
+    REQUIRED = ("model_id", "method", "inputs", "outputs", "pte_sha256")
 
 
 class CompileReport(JsonArtifact):

@@ -47,9 +47,9 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import atomic_output, canonical_json, read_json, sha256_file
-from dsa.core.formats import (BUILD_REPORT_FORMAT, BUNDLE_FORMAT, BUNDLE_FORMATS, MULTI_TARGET_BUNDLE_FORMAT,
-                              PIPELINE_INDEX_FORMAT, BuildReport, BundleMeta, CompileReport, ExportRecord, Link, Lock,
-                              ModuleIndex, MultiTargetBundleMeta, PipelineIndex)
+from dsa.core.formats import (BUILD_REPORT_FORMAT, BUNDLE_FORMAT, BUNDLE_FORMATS, EXECUTORCH_BUNDLE_FORMAT,
+                              MULTI_TARGET_BUNDLE_FORMAT, PIPELINE_INDEX_FORMAT, BuildReport, BundleMeta, CompileReport,
+                              ExportRecord, Link, Lock, ModuleIndex, MultiTargetBundleMeta, PipelineIndex, PteRecord)
 from dsa.runtime.policy import read_module_index
 
 
@@ -931,6 +931,119 @@ def _extract(archive: Path, dest: Path, listed: Dict[str, dict]) -> Dict[str, Tu
     return found
 
 
+# -- ExecuTorch bundles (format 3): the Plan B program with its provenance ---------------------------------
+
+PROGRAM_PTE = "program.pte"
+PTE_RECORD_JSON = "pte_record.json"
+EXECUTORCH_KIND = "executorch"
+PTE_BUILD_TYPE = "https://rules-dsa.invalid/dsa_pte/v1"
+
+
+def _pte_provenance(record: dict, subjects: Dict[str, str], manifest_source: str, bundle_name: str) -> dict:
+    """The in-toto/SLSA statement of an ExecuTorch bundle: the same shape as a vmfb bundle's, its
+    dependencies the digests the DsaPte action recorded (manifest, views, checkpoint, model and stage code,
+    environment)."""
+    source = record.get("provenance") or {}
+
+    def dep(name: str, sha256: str, role: str, **annotations) -> dict:
+        return {"name": name, "digest": {"sha256": sha256}, "annotations": dict(role=role, **annotations)}
+
+    toolchain = source.get("toolchain", {})
+    deps = [dep(manifest_source, source.get("manifest", {}).get("sha256", ""), "manifest"),
+            dep("checkpoint", source.get("checkpoint", {}).get("sha256", ""), "checkpoint"),
+            dep("requirements_executorch_lock.txt", toolchain.get("lock_sha256", ""), "toolchain_lock",
+                python_version=toolchain.get("python_version"), installed=toolchain.get("installed", []))]
+    deps += [dep(f"view/{name}", sha, "manifest_view") for name, sha in sorted(source.get("views", {}).items())]
+    deps += [dep(path, sha, "model_source") for path, sha in sorted(source.get("model_sources", {}).items())]
+    deps += [dep(path, sha, "tool_source") for path, sha in sorted(source.get("tool_sources", {}).items())]
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": [{"name": name, "digest": {"sha256": sha}} for name, sha in sorted(subjects.items())],
+        "predicateType": PREDICATE_TYPE,
+        "predicate": {
+            "buildDefinition": {
+                "buildType": PTE_BUILD_TYPE,
+                "externalParameters": {"model_id": record["model_id"], "backend": record.get("backend"),
+                                       "manifest": manifest_source, "bundle": bundle_name},
+                "internalParameters": {"toolchain": record.get("toolchain", {}), "dims": record.get("dims", {})},
+                "resolvedDependencies": deps,
+            },
+            "runDetails": {"builder": {"id": BUILDER_ID,
+                                       "version": {"bundle_format": str(EXECUTORCH_BUNDLE_FORMAT)}}},
+        },
+    }
+
+
+def write_pte_bundle(out: Path, *, pte: Path, record: Path, manifest: Path, runtime_view: Path,
+                     manifest_source: Optional[str] = None, digest_out: Optional[Path] = None) -> str:
+    """An ExecuTorch bundle (format 3, kind "executorch"): the .pte, its program record, the manifest and its
+    runtime view, a provenance statement and bundle.json. The record must describe exactly this program and
+    manifest (its digests were taken by the action that built the program)."""
+    out = Path(out)
+    data = PteRecord.read(record)
+    rebuild = "rebuild the bundle from one consistent build (the program and its record come from different builds)"
+    _check_same("the program's sha256", str(record), data["pte_sha256"], sha256_file(pte), rebuild)
+    recorded_manifest = (data.get("provenance") or {}).get("manifest", {}).get("sha256")
+    _check_same("the manifest's sha256", str(record), recorded_manifest, sha256_file(manifest), rebuild)
+    payload = {PROGRAM_PTE: Path(pte), PTE_RECORD_JSON: Path(record), MANIFEST_YAML: Path(manifest),
+               RUNTIME_VIEW_JSON: Path(runtime_view)}
+    digests, sizes = _member_digests(payload, {})
+    name = out.name[:-len(".tar")] if out.name.endswith(".tar") else out.name
+    provenance = _json_bytes(_pte_provenance(data, digests, manifest_source or _source_name(Path(manifest)), name))
+    generated = {PROVENANCE_JSON: provenance}
+    digests[PROVENANCE_JSON], sizes[PROVENANCE_JSON] = hashlib.sha256(provenance).hexdigest(), len(provenance)
+    meta = {"format": EXECUTORCH_BUNDLE_FORMAT, "kind": EXECUTORCH_KIND, "model_id": data["model_id"],
+            "program": PROGRAM_PTE, "record": PTE_RECORD_JSON, "manifest": MANIFEST_YAML,
+            "runtime_view": RUNTIME_VIEW_JSON, "provenance": PROVENANCE_JSON,
+            "files": {n: {"sha256": digests[n], "size": sizes[n]} for n in sorted(digests)}}
+    generated[BUNDLE_JSON] = _json_bytes(meta)
+    sizes[BUNDLE_JSON] = len(generated[BUNDLE_JSON])
+    return _write_archive(out, payload, generated, sizes, digest_out)
+
+
+def _is_executorch(meta: dict) -> bool:
+    return meta.get("kind") == EXECUTORCH_KIND
+
+
+def extract_pte_bundle(archive: Path, dest: Path) -> dict:
+    """Verifies an ExecuTorch bundle into `dest` (sidecar digest, structure, every file against bundle.json, the
+    program against its record); returns bundle.json."""
+    archive, dest = Path(archive), Path(dest)
+    check_archive_digest(archive)
+    meta = read_bundle_json(archive)
+    if not _is_executorch(meta):
+        raise DsaError(str(archive), f"is a {meta.get('kind') or 'single-model'} bundle of IREE modules, not an "
+                       "ExecuTorch bundle", "run it with `dsa run`")
+    listed = meta.get("files")
+    if not isinstance(listed, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("sha256"), str) and isinstance(e.get("size"), int)
+            and not isinstance(e.get("size"), bool) and 0 <= e["size"] <= MAX_MEMBER_BYTES for e in listed.values()):
+        raise DsaError(f"{archive}: {BUNDLE_JSON}", "is malformed: 'files' must map each file to its sha256 and size",
+                       "this is not a bundle dsa_bundle made")
+    if sorted(n for n in listed if not isinstance(n, str) or not _NAME.match(n) or n == BUNDLE_JSON):
+        raise DsaError(f"{archive}: {BUNDLE_JSON}", "lists a name that is not a plain file name",
+                       "this is not a bundle dsa_bundle made")
+    for key in ("program", "record", "manifest", "runtime_view", "provenance"):
+        if not isinstance(meta.get(key), str) or meta[key] not in listed:
+            raise DsaError(f"{archive}: {BUNDLE_JSON}", f"'{key}' names no file of the bundle",
+                           "the archive is corrupted or was not made by dsa_bundle")
+    dest.mkdir(parents=True, exist_ok=True)
+    found = _extract(archive, dest, listed)
+    missing = sorted(set(listed) - set(found))
+    if missing:
+        raise DsaError(str(archive), f"does not hold {', '.join(missing)}", "the archive is corrupted; copy it again")
+    for name, (sha, size) in found.items():
+        if name != BUNDLE_JSON and (sha, size) != (listed[name]["sha256"], listed[name]["size"]):
+            raise DsaError(f"{archive}: {name}", f"has sha256 {sha} ({size} bytes), bundle.json records "
+                           f"{listed[name]['sha256']} ({listed[name]['size']} bytes)",
+                           "the archive is corrupted; copy the release again")
+    record = PteRecord.read(dest / meta["record"])
+    if record["pte_sha256"] != found[meta["program"]][0]:
+        raise DsaError(f"{archive}: {meta['program']}", "is not the program its record describes",
+                       "the archive was not made by dsa_bundle")
+    return meta
+
+
 def read_bundle_json(archive: Path) -> dict:
     """bundle.json of `archive`, after checking that this reader reads its format."""
     archive = Path(archive)
@@ -967,6 +1080,10 @@ def read_bundle_json(archive: Path) -> dict:
         raise DsaError(f"{archive}: {BUNDLE_JSON}", f"is format {fmt} with kind {meta.get('kind')!r}: format "
                        f"{MULTI_TARGET_BUNDLE_FORMAT} is exactly the multi-target bundles",
                        "the archive is corrupted or was not made by dsa_bundle")
+    if (fmt == EXECUTORCH_BUNDLE_FORMAT) != _is_executorch(meta):
+        raise DsaError(f"{archive}: {BUNDLE_JSON}", f"is format {fmt} with kind {meta.get('kind')!r}: format "
+                       f"{EXECUTORCH_BUNDLE_FORMAT} is exactly the ExecuTorch bundles",
+                       "the archive is corrupted or was not made by dsa_bundle")
     return meta
 
 
@@ -977,6 +1094,10 @@ def extract_bundle(archive: Path, dest: Path) -> OpenedBundle:
     sha, sidecar = check_archive_digest(archive)
     # The format first: every format keeps bundle.json at the root; the rest of the layout is the format's.
     meta = read_bundle_json(archive)
+    if _is_executorch(meta):
+        raise DsaError(str(archive), "is an ExecuTorch bundle (format 3): it holds an ExecuTorch program, no IREE "
+                       "module", "check it with `dsa bundle verify`; run it with `dsa pte run` in the ExecuTorch "
+                       "environment (docs/frontends.md)")
     listed = meta.get("files")
     if not isinstance(listed, dict) or not all(
             isinstance(e, dict) and isinstance(e.get("sha256"), str) and isinstance(e.get("size"), int)
@@ -1238,6 +1359,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                    "each stage's files come from its module index, its manifest from --stage-manifest")
     c.add_argument("--stage-manifest", action="append", default=[],
                    help="with --pipeline: STAGE=MANIFEST[,REPOSITORY_RELATIVE_NAME] (repeat per stage)")
+    c.add_argument("--pte", help="bundle an ExecuTorch program (dsa_pte's NAME.pte; its NAME.pte_record.json "
+                   "beside it), with --manifest and --runtime-view: an ExecuTorch bundle (format 3)")
     c.add_argument("--out", required=True, help="the archive to write (NAME.tar)")
     c.add_argument("--digest", help="where to write `<sha256>  NAME.tar` (default NAME.sha256 beside it)")
     for command, text in (("verify", "check a bundle as `dsa run` would and summarise it"),
@@ -1251,6 +1374,19 @@ def main(argv: Optional[List[str]] = None) -> None:
                    "ship the signature beside it")
     a = parser.parse_args(argv)
 
+    if a.command == "create" and a.pte:
+        if not (a.manifest and a.runtime_view):
+            raise DsaError("dsa-bundle create", "--pte needs --manifest and --runtime-view")
+        pte = Path(a.pte)
+        record = pte.with_name(pte.name[:-len(".pte")] + ".pte_record.json") if pte.name.endswith(".pte") else None
+        if record is None or not pte.is_file() or not record.is_file():
+            raise DsaError("--pte", f"{pte} is not a .pte with its .pte_record.json beside it", "build the dsa_pte first")
+        sha = write_pte_bundle(Path(a.out), pte=pte, record=record, manifest=Path(a.manifest),
+                               runtime_view=Path(a.runtime_view), manifest_source=a.manifest_source,
+                               digest_out=Path(a.digest) if a.digest else None)
+        if not a.digest:
+            print(f"dsa-bundle: wrote {a.out} (sha256 {sha}) and {sidecar_path(Path(a.out))}")
+        return
     if a.command == "create" and a.pipeline:
         manifests = {}
         for value in a.stage_manifest:
@@ -1305,6 +1441,17 @@ def main(argv: Optional[List[str]] = None) -> None:
         dest = Path(os.environ.get("BUILD_WORKING_DIRECTORY", ".")) / a.dest
         archive, digest = release(user_path(a.bundle), dest, public_key=user_path(a.key) if a.key else None)
         print(f"released {archive} and {digest.name}: sha256 {digest.read_text(encoding='utf-8').split()[0]}")
+        return
+    if a.command in ("verify", "list") and _is_executorch(read_bundle_json(user_path(a.bundle))):
+        with tempfile.TemporaryDirectory(prefix="dsa-bundle-") as tmp:
+            meta = extract_pte_bundle(user_path(a.bundle), Path(tmp))
+            record = PteRecord.read(Path(tmp) / meta["record"])
+        print(f"{a.bundle}: ExecuTorch bundle (format {meta['format']}) of {meta['model_id']}: "
+              f"{record.get('backend')}, {record.get('delegates')} delegated subgraphs, "
+              f"{_format_size(meta['files'][meta['program']]['size'])} program; every file matches bundle.json")
+        if a.command == "list":
+            for name, entry in sorted(meta["files"].items()):
+                print(f"  {entry['sha256']}  {entry['size']:>12d}  {name}")
         return
     with open_bundle(user_path(a.bundle)) as b:
         print(b.describe())

@@ -9,6 +9,7 @@
                                             sign a bundle (ed25519, DSSE) and check it and its signature
     dsa diff A.tar B.tar [--json]           which inputs and artifacts changed between two bundles
     dsa link link|run                       check a split policy's edges; run a linked pipeline
+    dsa pte run BUNDLE.tar|PROGRAM.pte      run the ExecuTorch Plan B (in the ExecuTorch environment)
     dsa profile --manifest M ...            the top dispatches, with their source ops and modules
     dsa bench | dsa tune MODEL...           the latency benchmark; measure compile flags for a model family
     dsa import-matrix                       the README's import matrix from built models
@@ -38,6 +39,7 @@ COMMANDS: Dict[str, str] = {
     "bundle": "dsa.runtime.bundle",
     "diff": "dsa.tools.diff",
     "link": "dsa.stages.link",
+    "pte": "dsa.tools.executorch",
     "profile": "dsa.tools.profiler",
     "bench": "dsa.tools.bench",
     "tune": "dsa.tools.tune",

@@ -4,7 +4,7 @@ dsa_release: `bazel run :name -- DEST` copies a verified bundle and its .sha256 
 
 load("@rules_python//python:defs.bzl", "py_binary")
 load(":common.bzl", "ACTION_ENV", "execution_requirements", "TOOL_ATTRS", "repo_relative")
-load(":providers.bzl", "DsaModuleInfo", "DsaPipelineInfo")
+load(":providers.bzl", "DsaModuleInfo", "DsaPipelineInfo", "DsaPteInfo")
 
 def _pipeline_bundle(ctx, archive, digest):
     """DsaBundle of a dsa_pipeline: every stage's files (from its module index), its manifest, the link."""
@@ -57,15 +57,31 @@ def _multi_target_bundle(ctx, archive, digest):
     )
     return args, inputs, "%s for %s" % (ctx.attr.modules[0].label, ", ".join([m.target.name for m in modules]))
 
+def _pte_bundle(ctx, archive, digest):
+    """DsaBundle of a dsa_pte (format 3): the ExecuTorch program, its record, manifest and runtime view."""
+    pte = ctx.attr.pte[DsaPteInfo]
+    args = ctx.actions.args()
+    args.add("create")
+    args.add("--pte", pte.pte)
+    args.add("--manifest", pte.model.manifest)
+    args.add("--manifest-source", repo_relative(pte.model.manifest))
+    args.add("--runtime-view", pte.model.runtime_view)
+    args.add("--out", archive)
+    args.add("--digest", digest)
+    inputs = depset([pte.pte, pte.record, pte.model.manifest, pte.model.runtime_view, ctx.file._toolchain_identity])
+    return args, inputs, ctx.attr.pte.label
+
 def _dsa_bundle_impl(ctx):
     archive = ctx.actions.declare_file(ctx.label.name + ".tar")
     digest = ctx.actions.declare_file(ctx.label.name + ".sha256")
-    if len([a for a in [ctx.attr.module, ctx.attr.modules, ctx.attr.pipeline] if a]) != 1:
+    if len([a for a in [ctx.attr.module, ctx.attr.modules, ctx.attr.pipeline, ctx.attr.pte] if a]) != 1:
         fail("dsa_bundle %s: set exactly one of `module` (a dsa_vmfb), `modules` (dsa_vmfbs of one model for " % ctx.label +
-             "several targets) and `pipeline` (a dsa_pipeline)")
-    if ctx.attr.pipeline or ctx.attr.modules:
+             "several targets), `pipeline` (a dsa_pipeline) and `pte` (a dsa_pte)")
+    if ctx.attr.pipeline or ctx.attr.modules or ctx.attr.pte:
         if ctx.attr.pipeline:
             args, inputs, subject = _pipeline_bundle(ctx, archive, digest)
+        elif ctx.attr.pte:
+            args, inputs, subject = _pte_bundle(ctx, archive, digest)
         else:
             args, inputs, subject = _multi_target_bundle(ctx, archive, digest)
         ctx.actions.run(
@@ -129,7 +145,11 @@ target's modules, lock, spec and index under `<target>.` names; `dsa run` runs t
 can execute and refuses, naming each target and the driver it needs, when there is none.
 
 With `pipeline` (a dsa_pipeline) instead of `module`, the archive holds every stage's files under
-`<stage>.` names, the link and the pipeline index; `bin/dsa link run --bundle` runs it.""",
+`<stage>.` names, the link and the pipeline index; `bin/dsa link run --bundle` runs it.
+
+With `pte` (a dsa_pte) it is an ExecuTorch bundle (format 3): the ExecuTorch program, its record, the
+manifest and runtime view, and a provenance statement naming the digests of every input of the program;
+`dsa bundle verify` checks it, `dsa pte run` runs it in the ExecuTorch environment.""",
     attrs = dict(TOOL_ATTRS, **{
         "module": attr.label(providers = [DsaModuleInfo], doc = "A dsa_vmfb (or set `modules` or `pipeline`)."),
         "modules": attr.label_list(
@@ -137,6 +157,7 @@ With `pipeline` (a dsa_pipeline) instead of `module`, the archive holds every st
             doc = "dsa_vmfbs of one dsa_model, one per target, in the order `dsa run` prefers them: a " +
                   "multi-target bundle sharing one parameter archive (docs/bundle-format.md).",
         ),
+        "pte": attr.label(providers = [DsaPteInfo], doc = "A dsa_pte: an ExecuTorch bundle (format 3)."),
         "pipeline": attr.label(
             providers = [DsaPipelineInfo],
             doc = "A dsa_pipeline: a pipeline bundle of all its stages and its link (docs/bundle-format.md).",

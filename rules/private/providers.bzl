@@ -54,6 +54,15 @@ DsaModuleInfo = provider(
     },
 )
 
+DsaPteInfo = provider(
+    doc = "The ExecuTorch Plan B of one model (dsa_pte).",
+    fields = {
+        "model": "DsaModelInfo: the model it was built from.",
+        "pte": "File: the ExecuTorch program (.pte, XNNPACK-delegated).",
+        "record": "File: the program record (JSON): inputs, outputs, delegation, provenance.",
+    },
+)
+
 DsaPipelineInfo = provider(
     doc = "Compiled models linked into one pipeline by the tensors they exchange (dsa_pipeline).",
     fields = {
