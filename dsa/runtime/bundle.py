@@ -1070,7 +1070,7 @@ def read_bundle_json(archive: Path) -> dict:
                        "the archive is corrupted; copy the release again") from None
     fmt = meta.get("format") if isinstance(meta, dict) else None
     if fmt not in BUNDLE_FORMATS or isinstance(fmt, bool):
-        readable = " and ".join(str(f) for f in BUNDLE_FORMATS)
+        readable = ", ".join(str(f) for f in BUNDLE_FORMATS[:-1]) + f" and {BUNDLE_FORMATS[-1]}"
         raise DsaError(f"{archive}: {BUNDLE_JSON}", f"bundle format {fmt!r} is not supported: this reader "
                        f"reads formats {readable}",
                        "a newer rules_dsa wrote it: read it with that release; docs/bundle-format.md lists "

@@ -211,11 +211,11 @@ def test_appended_bytes_are_refused(built_copy):
 
 
 def test_a_format_newer_than_this_reader_is_refused(opened, tmp_path):
-    newer = repack(opened.root, tmp_path / "newer.tar", lambda meta: meta.update(format=3))
-    _refused(newer, "bundle format 3 is not supported", "reads formats 1 and 2", "docs/bundle-format.md")
+    newer = repack(opened.root, tmp_path / "newer.tar", lambda meta: meta.update(format=4))
+    _refused(newer, "bundle format 4 is not supported", "reads formats 1, 2 and 3", "docs/bundle-format.md")
     proc = cli("dsa.runtime.bundle", "verify", newer)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "bundle format 3 is not supported" in proc.stderr
+    assert "bundle format 4 is not supported" in proc.stderr
 
 
 def test_format_2_is_the_multi_target_kind_only(opened, tmp_path):
@@ -224,14 +224,20 @@ def test_format_2_is_the_multi_target_kind_only(opened, tmp_path):
     _refused(relabelled, "is format 2 with kind None: format 2 is exactly the multi-target bundles")
 
 
+def test_format_3_is_the_executorch_kind_only(opened, tmp_path):
+    """A single-model bundle relabelled format 3 (the ExecuTorch format) is refused, not read as one."""
+    relabelled = repack(opened.root, tmp_path / "relabelled.tar", lambda meta: meta.update(format=3))
+    _refused(relabelled, "is format 3 with kind None: format 3 is exactly the ExecuTorch bundles")
+
+
 def test_newer_format_with_another_layout_is_refused_for_its_format(opened, tmp_path):
-    """A format-3 archive may lay its files out differently (here: a directory): the format is checked first."""
+    """A format-4 archive may lay its files out differently (here: a directory): the format is checked first."""
     newer = tmp_path / "newer.tar"
-    meta = dict(opened.meta, format=3)
+    meta = dict(opened.meta, format=4)
     with tarfile.open(newer, "w", format=B.TAR_FORMAT) as tar:
         for name, data in (("bundle.json", json.dumps(meta).encode()), ("modules/a.vmfb", b"x")):
             tar.addfile(B._tarinfo(name, len(data)), io.BytesIO(data))
-    _refused(newer, "bundle format 3 is not supported: this reader reads formats 1 and 2", "a newer rules_dsa wrote it")
+    _refused(newer, "bundle format 4 is not supported: this reader reads formats 1, 2 and 3", "a newer rules_dsa wrote it")
 
 
 def test_a_repack_with_format_1_reads(opened, tmp_path):

@@ -73,9 +73,9 @@ def test_truncated_is_refused(built_copy):
 
 
 def test_a_format_newer_than_this_reader_is_refused(opened, tmp_path):
-    newer = repack(opened.root, tmp_path / "newer.tar", lambda meta: meta.update(format=3))
-    _refused(cli("dsa.runtime.run", "--bundle", newer, "--steps", "1"), "bundle format 3 is not supported",
-             "reads formats 1 and 2")
+    newer = repack(opened.root, tmp_path / "newer.tar", lambda meta: meta.update(format=4))
+    _refused(cli("dsa.runtime.run", "--bundle", newer, "--steps", "1"), "bundle format 4 is not supported",
+             "reads formats 1, 2 and 3")
 
 
 def test_missing_bundle_is_refused(tmp_path):

@@ -241,7 +241,7 @@ def _mutations():
     return {
         "schema_version": set_("schema_version", "2.0.0"),
         "model_id": set_("model_id", "pi1"),
-        "framework": set_("framework", "lerobot"),
+        "framework": set_("framework", "onnx"),  # the compile view reads it for the file front ends
         "model": update("model", "entry_point", "models.other:export_spec"),
         "checkpoint": update("checkpoint", "path", "other.safetensors"),
         "inputs": update("inputs", "state", {"dim": 7}),

@@ -26,6 +26,7 @@ _MODEL_INFO_FIELDS = [
     "own_sources",
     "pythonpath",
     "policy_config",
+    "model_file",
     "python_env",
 ]
 
@@ -473,11 +474,11 @@ def dsa_rules_analysis_tests(name):
         # (4) failure messages
         (analysis_failure_test, "dsa_bundle_with_module_and_pipeline_fails", {
             "target_under_test": ":bundle_with_module_and_pipeline",
-            "message": "set exactly one of `module` (a dsa_vmfb), `modules` (dsa_vmfbs of one model for several targets) and `pipeline` (a dsa_pipeline)",
+            "message": "set exactly one of `module` (a dsa_vmfb), `modules` (dsa_vmfbs of one model for several targets), `pipeline` (a dsa_pipeline) and `pte` (a dsa_pte)",
         }),
         (analysis_failure_test, "dsa_bundle_without_module_or_pipeline_fails", {
             "target_under_test": ":bundle_without_module_or_pipeline",
-            "message": "set exactly one of `module` (a dsa_vmfb), `modules` (dsa_vmfbs of one model for several targets) and `pipeline` (a dsa_pipeline)",
+            "message": "set exactly one of `module` (a dsa_vmfb), `modules` (dsa_vmfbs of one model for several targets), `pipeline` (a dsa_pipeline) and `pte` (a dsa_pte)",
         }),
         (analysis_failure_test, "multi_target_bundle_of_two_models_fails", {
             "target_under_test": ":multi_target_bundle_of_two_models",

@@ -10,10 +10,10 @@ from dsa.tools import rules_doc
 from dsa.tools.rules_doc import RulesDocError, cell, render
 from dsa.tools.testing import runfile
 
-RULES = ("dsa_model", "dsa_bucket", "dsa_vmfb", "dsa_target", "dsa_checkpoint", "dsa_lerobot_policy", "dsa_pipeline",
-         "dsa_bundle")
+RULES = ("dsa_model", "dsa_bucket", "dsa_vmfb", "dsa_target", "dsa_checkpoint", "dsa_lerobot_policy", "dsa_pte",
+         "dsa_pipeline", "dsa_bundle")
 MACROS = ("dsa_policy", "dsa_policies", "dsa_runner", "dsa_release")
-PROVIDERS = ("DsaModelInfo", "DsaBucketInfo", "DsaModuleInfo", "DsaPipelineInfo", "DsaTargetInfo")
+PROVIDERS = ("DsaModelInfo", "DsaBucketInfo", "DsaModuleInfo", "DsaPipelineInfo", "DsaPteInfo", "DsaTargetInfo")
 
 
 @pytest.fixture(scope="module")

@@ -176,9 +176,11 @@ def test_format_and_kind_must_agree(fleet, tmp_path):
 
     with pytest.raises(B.DsaError, match="format 1 with kind 'multi-target'"):
         B.extract_bundle(_repack(fleet, tmp_path / "a.tar", as_format(1)), tmp_path / "a")
-    with pytest.raises(B.DsaError, match=r"bundle format 3 is not supported: this reader reads formats 1 and 2 "
+    with pytest.raises(B.DsaError, match="format 3 with kind 'multi-target'"):
+        B.extract_bundle(_repack(fleet, tmp_path / "c.tar", as_format(3)), tmp_path / "c")
+    with pytest.raises(B.DsaError, match=r"bundle format 4 is not supported: this reader reads formats 1, 2 and 3 "
                        r"\(a newer rules_dsa wrote it"):
-        B.extract_bundle(_repack(fleet, tmp_path / "b.tar", as_format(3)), tmp_path / "b")
+        B.extract_bundle(_repack(fleet, tmp_path / "b.tar", as_format(4)), tmp_path / "b")
 
 
 def test_target_index_naming_another_targets_module_is_refused(fleet, tmp_path):
