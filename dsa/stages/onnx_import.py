@@ -287,6 +287,7 @@ def export_onnx(view: dict, model_file: Path, *, bucket: Optional[dict] = None,
     record_inputs = [describe(v, "input") for v in inputs]
     record_outputs = [describe(v, "output") for v in outputs]
     _check_manifest_agrees(view, record_outputs[0], where, manifest_name)
+    check_inputs_agree(view, record_inputs, where, manifest_name)
     histogram = collections.Counter(f"onnx.{n.op_type}" if not n.domain else f"{n.domain}.{n.op_type}"
                                     for n in model.graph.node)
     from importlib import metadata
@@ -313,6 +314,31 @@ def export_onnx(view: dict, model_file: Path, *, bucket: Optional[dict] = None,
     if bucket is not None:
         record["bucket"] = {"dim": bucket["dim"], "size": bucket["size"], "slot": bucket["slot"]}
     return mlir, record
+
+
+def check_inputs_agree(view: dict, inputs: list, where: str, manifest_name: str) -> None:
+    """The model's inputs are those the manifest declares: an input named `state` (or ending in `.state`) whose
+    last dim is inputs.state.dim, and one input per camera, named as the camera, whose last three dims are its
+    shape. Other inputs (token ids, masks, noise) are the model's own."""
+    by_name = {i["name"].rsplit(".", 1)[-1]: i for i in inputs}
+    listed = ", ".join(f"'{i['name']}' {i['shape']}" for i in inputs) or "none"
+    declared = view.get("inputs", {})
+    wanted = []
+    if "state" in declared:
+        wanted.append(("inputs.state.dim", "state", [declared["state"]["dim"]]))
+    for k, camera in enumerate(declared.get("cameras", [])):
+        wanted.append((f"inputs.cameras[{k}].shape", camera["name"], list(camera["shape"])))
+    for field, name, tail in wanted:
+        found = by_name.get(name)
+        if found is None:
+            raise DsaError(f"{manifest_name}: {field}",
+                           f"the manifest declares input '{name}', but the model has no input of that name (its "
+                           f"inputs: {listed})", "name the model's input as the manifest does, or fix the manifest")
+        if found["shape"][-len(tail):] != tail:
+            raise DsaError(f"{manifest_name}: {field}",
+                           f"input '{found['name']}' of {where} has shape {found['shape']}, but the manifest "
+                           f"declares {tail} for its last {len(tail)} dim(s)",
+                           "make the manifest's sizes those of the model's input")
 
 
 def _check_manifest_agrees(view: dict, action: dict, where: str, manifest_name: str) -> None:

@@ -7,8 +7,6 @@ import os
 import resource
 from pathlib import Path
 
-from dsa.stages.export import load_entry_point
-
 
 def runfile(short_path: str) -> Path:
     """A workspace-relative path inside the test's runfiles tree (or the cwd outside Bazel)."""
@@ -21,6 +19,8 @@ def runfile(short_path: str) -> Path:
 def eager_policy(export_view: dict, dims: dict, checkpoint: Path):
     """The model as eager PyTorch, with the checkpoint's weights: the reference compiled modules must match."""
     from safetensors.torch import load_file
+
+    from dsa.stages.export import load_entry_point  # here: runfile() serves tests in torch-free environments
 
     spec = load_entry_point(export_view["model"]["entry_point"])(export_view, dims)
     module = spec.module.eval()
