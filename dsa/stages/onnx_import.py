@@ -155,6 +155,25 @@ def _nodes_by_name(model) -> Dict[str, object]:
     return {n.name: n for n in model.graph.node if n.name}
 
 
+def check_known_ops(model, where: str) -> None:
+    """Refuses a node of an operator set IREE's importer does not know (a custom domain, an op no ONNX opset
+    defines) before the import, naming op and node: such a node has no types, so IREE's own error would name
+    the first node that consumes its output instead."""
+    import onnx.defs
+
+    local = {(f.domain, f.name) for f in model.functions}  # model-local functions are expanded by the importer
+    unknown = []
+    for node in model.graph.node:
+        domain = node.domain if node.domain != "ai.onnx" else ""
+        if (domain, node.op_type) in local:
+            continue
+        if domain not in ("", "ai.onnx.ml") or not onnx.defs.has(node.op_type, domain):
+            unknown.append(f"'{domain + '.' if domain else ''}{node.op_type}' (node '{node.name or '?'}')")
+    if unknown:
+        raise DsaError(where, f"ONNX op {', '.join(dict.fromkeys(unknown))} is not in the standard ONNX operator "
+                              "sets, so IREE cannot import or lower it", OP_CHOICES)
+
+
 def check_lowerable(mlir_with_locations: str, model, where: str) -> None:
     """Runs IREE's input conversion (torch → linalg, the onnx ops included); on failure names the ONNX op and
     node that stand in the way, from the failing op's location (the importer locates each op at its node)."""
@@ -209,6 +228,11 @@ def export_onnx(view: dict, model_file: Path, *, bucket: Optional[dict] = None,
         raise DsaError(f"{manifest_name}: model.file.sha256",
                        f"model file {model_file} has sha256 {actual}, but the manifest pins {pinned}",
                        "if this model file is the one you mean to ship, set model.file.sha256 to the new digest")
+    quant = view.get("quant_scheme", {"kind": "none"})
+    if quant.get("kind", "none") != "none":
+        raise DsaError(f"{manifest_name}: quant_scheme",
+                       f"quant_scheme '{quant['kind']}' rewrites a PyTorch export's graph; framework onnx imports the "
+                       "graph as it is", "set quant_scheme kind: none (or quantise the model before exporting it)")
     model = load_graph(model_file, where)
     inputs, outputs = _graph_inputs(model), list(model.graph.output)
     if not outputs:
@@ -225,6 +249,7 @@ def export_onnx(view: dict, model_file: Path, *, bucket: Optional[dict] = None,
         if None in _value_dims(value):
             raise DsaError(where, f"input '{value.name}' has an unnamed dynamic dim: {_value_dims(value)}",
                            "give each dynamic dim a name (dim_param), e.g. torch.onnx.export(dynamic_shapes=...)")
+    check_known_ops(model, where)
     try:
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception as e:
