@@ -27,6 +27,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -508,6 +509,29 @@ def _ablation_variants(variants: Dict[str, Built], subject: Subject, manifest: d
                 variants[f"+{name}"] = built
 
 
+def executorch_available() -> bool:
+    """Whether ExecuTorch imports here (the benchmark runs in the ExecuTorch environment under `bazel run`)."""
+    import importlib.util
+
+    return importlib.util.find_spec("executorch") is not None
+
+
+def executorch_program(subject: Subject, manifest: dict, work: Path, threads: int, pythonpath: List[str]):
+    """The subject's ExecuTorch Plan B, built by the DsaPte stage's own function at the timed bucket."""
+    from dsa.manifest.contract import project
+    from dsa.stages.pte import build_pte
+    from dsa.tools.executorch import PteProgram
+
+    bucket = None
+    if subject.bucket is not None:
+        bucket = project(manifest, "bucket", bucket=(subject.bucket["dim"], subject.bucket["slot"]))
+    work.mkdir(parents=True, exist_ok=True)
+    record = build_pte(project(manifest, "export"), subject.checkpoint, work / "model.pte", work / "model.json",
+                       params_view=project(manifest, "params"), bucket=bucket, pythonpath=pythonpath,
+                       manifest_name=str(subject.manifest))
+    return PteProgram(work / "model.pte", record, threads)
+
+
 def _time_subject(subject: Subject, manifest: dict, target_name: str, target: dict, tuning: Optional[dict],
                   tuning_path: Path, root: Path, variants: Dict[str, Built], *, work: Path, runs: int,
                   warmup: int, threads: int, with_ort: bool, with_compile: bool, profile_top: int) -> dict:
@@ -524,6 +548,17 @@ def _time_subject(subject: Subject, manifest: dict, target_name: str, target: di
             ort = ort_session(eager, cases[0].args, names, work / f"{subject.name}.onnx", threads)
         except Exception as e:  # reported in the results, not fatal
             ort_error = _error(e)
+    executorch = None
+    executorch_error = None
+    skipped = {}
+    if not executorch_available():
+        skipped["executorch"] = ("ExecuTorch is not installed in this environment (`bazel run //bench` runs in "
+                                 "@dsa_executorch_python)")
+    else:
+        try:
+            executorch = executorch_program(subject, manifest, work / "executorch", threads, [str(root)])
+        except Exception as e:  # reported in the results, not fatal: not every model lowers to ExecuTorch
+            executorch_error = _error(e)
     compiled = None
     compile_error = None
     compile_s = None
@@ -548,6 +583,13 @@ def _time_subject(subject: Subject, manifest: dict, target_name: str, target: di
                 feed = {f: np.asarray(inputs[n]) for f, n in zip(feeds, names)}
                 checks["onnxruntime"] = parity(session.run(None, feed)[0], ref)
                 fns["onnxruntime"] = lambda: session.run(None, feed)
+            if executorch is not None:
+                try:
+                    pte_args = executorch.arguments(inputs)
+                    checks["executorch"] = parity(executorch.run_prepared(pte_args)[0], ref)
+                    fns["executorch"] = (lambda p, a: lambda: p.run_prepared(a))(executorch, pte_args)
+                except Exception as e:
+                    executorch_error = _error(e)
             if compiled is not None and compile_error is None:
                 try:
                     start = time.perf_counter()
@@ -576,8 +618,10 @@ def _time_subject(subject: Subject, manifest: dict, target_name: str, target: di
             for name, b in variants.items()
         },
         "cases": rows,
-        "errors": {k: v for k, v in {"onnxruntime": ort_error, "torch.compile": compile_error}.items() if v},
+        "errors": {k: v for k, v in {"onnxruntime": ort_error, "torch.compile": compile_error,
+                                     "executorch": executorch_error}.items() if v},
         "torch_compile_s": compile_s,
+        "not_measured": skipped,
     }
     result["goal"] = goal_status(result)
     if profile_top and not all(g["met"] for g in result["goal"].values()):
@@ -864,8 +908,11 @@ def run_lerobot_benchmark(root: Path, out: Path, *, models: Optional[Sequence[st
 
 def lerobot_python(root: Path) -> Optional[Path]:
     """The LeRobot environment's interpreter in this binary's runfiles (None outside Bazel)."""
-    for candidate in (root.parent / "dsa_lerobot_python" / "bin" / "python3",
-                      root / "external" / "dsa_lerobot_python" / "bin" / "python3"):
+    return _runfiles_python(root, "dsa_lerobot_python")
+
+
+def _runfiles_python(root: Path, repository: str) -> Optional[Path]:
+    for candidate in (root.parent / repository / "bin" / "python3", root / "external" / repository / "bin" / "python3"):
         if candidate.exists():
             return candidate
     return None
@@ -924,24 +971,31 @@ def render_markdown(results: dict) -> str:
         "## Latency",
         "",
         "| model | case | eager | vmfb default | vmfb rewrites | vmfb tuned | ONNX Runtime | torch.compile "
-        "| tuned / eager | tuned / ORT | goal |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ExecuTorch (XNNPACK) | tuned / eager | tuned / ORT | tuned / ExecuTorch | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["models"]:
         for row in r["cases"]:
             rt = row["runtimes"]
             g = r["goal"][row["case"]]
             ort_ratio = f"{g['vs_onnxruntime']:.2f}" if "vs_onnxruntime" in g else "—"
+            et = rt.get("executorch")
+            et_ratio = f"{rt['vmfb:tuned']['median_ms'] / et['median_ms']:.2f}" if et and "vmfb:tuned" in rt else "—"
             lines.append(
                 f"| {r['model']} | {row['case']} | {_ms(rt.get('eager'))} | {_ms(rt.get('vmfb:default'))} "
                 f"| {_ms(rt.get('vmfb:rewrites'))} | {_ms(rt.get('vmfb:tuned'))} | {_ms(rt.get('onnxruntime'))} "
-                f"| {_ms(rt.get('torch.compile'))} | {g['vs_eager']:.2f} | {ort_ratio} "
+                f"| {_ms(rt.get('torch.compile'))} | {_ms(et)} | {g['vs_eager']:.2f} | {ort_ratio} | {et_ratio} "
                 f"| {'met' if g['met'] else '**not met**'} |")
     lines += [
         "",
         f"Goal: vmfb tuned / eager ≤ {GOAL_EAGER_RATIO}; for pi0 and the transformer control also "
-        f"tuned / ONNX Runtime ≤ {GOAL_ORT_RATIO}.",
+        f"tuned / ONNX Runtime ≤ {GOAL_ORT_RATIO}. ExecuTorch is the Plan B (dsa_pte: the same model and "
+        "checkpoint lowered to an XNNPACK .pte, docs/frontends.md); tuned / ExecuTorch < 1 means the vmfb is "
+        "faster.",
     ]
+    for r in results["models"]:
+        if r.get("errors", {}).get("executorch"):
+            lines.append(f"{r['model']}: ExecuTorch {r['errors']['executorch']}")
     if results.get("policies"):
         lines += [
             "",
@@ -1104,10 +1158,21 @@ def main(argv: Optional[List[str]] = None) -> None:
                              "then render RESULTS.md again")
     parser.add_argument("--lerobot-only", type=Path, metavar="OUT_JSON",
                         help=argparse.SUPPRESS)  # the LeRobot half, run by this tool in the LeRobot environment
+    parser.add_argument("--no-executorch", action="store_true",
+                        help="do not time the ExecuTorch Plan B (the benchmark otherwise runs in the ExecuTorch "
+                             "environment, a superset of the toolchain's, when it is in the runfiles)")
     a = parser.parse_args(argv)
     # Not resolved: under `bazel run` this file is a runfiles symlink, and the runfiles tree (not the source
     # tree it points into) holds the generated checkpoints.
     root = a.root or Path(os.path.abspath(__file__)).parents[2]
+    executorch_python = None if a.no_executorch or a.lerobot_only else _runfiles_python(root, "dsa_executorch_python")
+    if executorch_python is not None and not executorch_available():
+        # Everything the toolchain's environment has plus ExecuTorch: the same run, with the Plan B beside
+        # the vmfb in one process (alternating rounds).
+        pythonpath = [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        os.environ["PYTHONPATH"] = os.pathsep.join(pythonpath)
+        args = list(sys.argv[1:] if argv is None else argv)
+        os.execv(str(executorch_python), [str(executorch_python), os.path.abspath(__file__), *args])
     if a.lerobot_only:
         run_lerobot_benchmark(root, a.lerobot_only, models=a.models, runs=a.runs, warmup=a.warmup,
                               threads=a.threads, light=a.light, full_size_light=a.full_size_light)

@@ -185,9 +185,18 @@ def test_markdown_report_has_latency_goal_and_rewrite_lines():
                                               "python": "3"}, "date": "d", "target": "x86_64-v3", "runs": 30,
                                   "warmup": 5, "models": [result]})
     assert "| m | steps=1 | 10.00 / 11.00 |" in text
-    assert "| 0.80 | 1.33 | met |" in text
+    assert "| 0.80 | 1.33 | — | met |" in text
     assert "| m | steps=1 | `patchify_conv_to_matmul` | 2 | 8.80 | 8.00 | -9.1% |" in text
     assert "fold_batchnorm" not in text.split("## Graph rewrites")[1].split("## Builds")[0]
+    # With the ExecuTorch Plan B timed: its column and the vmfb's ratio to it; a failed lowering is printed.
+    runtimes["executorch"] = entry(16.0)
+    result["errors"] = {"executorch": "XNNPACK lowering failed: ..."}
+    text = bench.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
+                                              "python": "3"}, "date": "d", "target": "x86_64-v3", "runs": 30,
+                                  "warmup": 5, "models": [result]})
+    assert "| torch.compile | ExecuTorch (XNNPACK) | tuned / eager | tuned / ORT | tuned / ExecuTorch | goal |" in text
+    assert "| — | 16.00 / 17.60 | 0.80 | 1.33 | 0.50 | met |" in text
+    assert "m: ExecuTorch XNNPACK lowering failed: ..." in text
 
 
 def test_interleaved_measurement_calls_each_function_warmup_plus_runs_times_in_alternating_rounds():
