@@ -14,12 +14,13 @@ from dsa.tools import import_matrix as im
 from dsa.tools import measure
 
 
-def _row(model, module=None, *, pipeline=None, export=True, compile=True, parity="passed", modules=1,
+def _row(model, module=None, *, pipeline=None, front_end="pytorch", export=True, compile=True, parity="passed", modules=1,
          measured=None, notes=(), vmfb=564_000, irpa=9_490_432, mlir=187_355, params=2_363_086):
     status = {"passed": {"status": "passed", "tests": 4, "failures": 0},
               "failed": {"status": "failed", "tests": 4, "failures": 1},
               "not run": {"status": "not run", "tests": 0, "failures": 0}}[parity]
-    return {"model": model, "module": module or model, "pipeline": pipeline, "export": export, "compile": compile,
+    return {"model": model, "module": module or model, "pipeline": pipeline, "front_end": front_end,
+            "export": export, "compile": compile,
             "parity": status, "modules": modules, "vmfb_bytes": vmfb if compile else None,
             "irpa_bytes": irpa if compile else None, "mlir_bytes": mlir if export else None,
             "parameter_count": params if export else None, "target": "x86_64-v3", "measured": measured,
@@ -56,22 +57,22 @@ def test_table_keeps_row_order_and_formats_units():
     assert [r.split("|")[1].strip() for r in rows] == [
         "`pi0`", "`act`", "`openvla`", "`groot › backbone`", "`groot › head`"]
     pi0 = [c.strip() for c in rows[0].split("|")[1:-1]]
-    assert pi0 == ["`pi0`", "✓", "✓ (3 modules)", "✓ 4 passed", "564.0 kB", "9.49 MB", "187.4 kB", "2.36 M",
+    assert pi0 == ["`pi0`", "torch.export", "✓", "✓ (3 modules)", "✓ 4 passed", "564.0 kB", "9.49 MB", "187.4 kB", "2.36 M",
                    "16.3 s", "205 MiB", "112 s, 4.9 GiB (export)", "23.33 ms",
                    "prompt_len_0 (prompt_len=32, steps=10)"]
     assert "1234 ms" in rows[1] or "1235 ms" in rows[1]
-    assert table.splitlines()[0].startswith("| model | export | compile | parity | vmfb | irpa | MLIR |")
+    assert table.splitlines()[0].startswith("| model | front end | export | compile | parity | vmfb | irpa | MLIR |")
 
 
 def test_missing_cells_are_crosses_and_not_run():
     rows = _table_rows(im.render_table(DATA))
     act = [c.strip() for c in rows[1].split("|")[1:-1]]
-    assert act[3] == "✗ 1 of 4 failed"
+    assert act[4] == "✗ 1 of 4 failed"
     openvla = [c.strip() for c in rows[2].split("|")[1:-1]]
-    assert openvla[1:4] == ["✗", "✗", "not run"]
-    assert openvla[4:] == [im.MISSING] * 9
+    assert openvla[2:5] == ["✗", "✗", "not run"]
+    assert openvla[5:] == [im.MISSING] * 9
     backbone = [c.strip() for c in rows[3].split("|")[1:-1]]  # compiled, not measured
-    assert backbone[8:12] == [im.NOT_MEASURED] * 4
+    assert backbone[9:13] == [im.NOT_MEASURED] * 4
 
 
 def test_byte_mismatch_is_loud():
@@ -327,10 +328,25 @@ def test_a_row_the_bench_timed_takes_its_latency_and_says_so_and_others_keep_the
     row = _row("act", measured=dict(MEASURED, module="batch_0"))
     im.attach_bench(row, unit, bench)
     cells = [c.strip() for c in _table_rows(im.render_table(dict(DATA, rows=[row])))[0].split("|")[1:-1]]
-    assert cells[11] == "600.0 ms (1.50× eager, 2.40× ORT)"
-    assert cells[12] == "batch_0 (bench 2026-12-02: batch=1)"
+    assert cells[12] == "600.0 ms (1.50× eager, 2.40× ORT)"
+    assert cells[13] == "batch_0 (bench 2026-12-02: batch=1)"
     other = _row("act", measured=dict(MEASURED, module="batch_0"))
     im.attach_bench(other, unit, {"cc" * 32: bench[sha]})   # another build's timing: not this module's
     assert other["bench"] is None
-    assert [c.strip() for c in _table_rows(im.render_table(dict(DATA, rows=[other])))[0].split("|")[1:-1]][11] == \
+    assert [c.strip() for c in _table_rows(im.render_table(dict(DATA, rows=[other])))[0].split("|")[1:-1]][12] == \
         "23.33 ms"
+
+
+@pytest.mark.parametrize("framework, cell", [("pytorch", "torch.export"), ("lerobot", "LeRobot → torch.export"),
+                                             ("onnx", "ONNX (IREE's importer)"),
+                                             ("stablehlo", "StableHLO (jax.export)"), (None, im.MISSING)])
+def test_the_front_end_column_names_the_manifests_framework(framework, cell):
+    row = _row("policy", front_end=framework)
+    assert [c.strip() for c in _table_rows(im.render_table(dict(DATA, rows=[row])))[0].split("|")[1:-1]][1] == cell
+
+
+def test_the_front_end_is_read_from_the_models_export_view(tmp_path):
+    (tmp_path / "jax_policy_model").mkdir()
+    (tmp_path / "jax_policy_model" / "export_view.json").write_text(json.dumps({"framework": "stablehlo"}))
+    assert im.front_end_of(tmp_path, "jax_policy") == "stablehlo"
+    assert im.front_end_of(tmp_path, "not_built") is None
