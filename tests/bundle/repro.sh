@@ -1,21 +1,31 @@
 #!/usr/bin/env bash
 # Reproducible release bundles: two checkouts of this repository at different paths, each built with a
-# Bazel output base of its own (so its own Python environment, execroot and action cache), must give
-# //models:pi0_bundle and //models:pi0_all_targets_bundle (π0 for every target of the rule set: x86, aarch64,
-# riscv64, CUDA, Vulkan, ROCm) the same sha256s. Prints the digests; exits 1, with `dsa diff` of the bundles
-# (per target for the multi-target one), when they differ. Everything it makes (clones, output bases, Bazel servers) is removed at exit.
+# Bazel output base of its own (so its own Python environment, execroot and action cache), must give the
+# same sha256s for //models:pi0_bundle and a multi-target bundle of π0: //models:pi0_fleet_bundle (Orin's GPU
+# and CPU, AVX-512 and AVX2 x86: the targets CI also tests) by default, //models:pi0_all_targets_bundle
+# (every target of the rule set: x86, aarch64, riscv64, CUDA, Vulkan, ROCm; ~40 compiles, ~7 more minutes)
+# with --all-targets. Prints the digests; exits 1, with `dsa diff` of the bundles (per target for the
+# multi-target one), when they differ. Everything it makes (clones, output bases, Bazel servers) is removed
+# at exit.
 #
-#   tests/bundle/repro.sh            # from the repository root; .ci/run calls it
+#   tests/bundle/repro.sh                 # from the repository root; .ci/run calls it (.ci/run --full: --all-targets)
+#   tests/bundle/repro.sh --all-targets   # every target's compiler
 #
 # The first checkout is this one, built in its own output base (after `bazel test //...` in CI: the bundle
 # is then already there); the second a fresh clone of HEAD elsewhere with a fresh output base. With
 # uncommitted changes to tracked files, this checkout is not HEAD, so both are fresh clones of HEAD.
 # A fresh output base creates the Python environment (~3 min) and builds π0 (~1 min).
+# Different checkout paths (and directory names), different output bases.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD
-bundles=(pi0_bundle pi0_all_targets_bundle)
-targets=(//models:pi0_bundle //models:pi0_all_targets_bundle)
+case "${1:-}" in
+    "") multi=pi0_fleet_bundle ;;
+    --all-targets) multi=pi0_all_targets_bundle ;;
+    *) echo "usage: tests/bundle/repro.sh [--all-targets]" >&2; exit 2 ;;
+esac
+bundles=(pi0_bundle "$multi")
+targets=(//models:pi0_bundle "//models:$multi")
 work=$(mktemp -d "${TMPDIR:-/tmp}/dsa-bundle-repro.XXXXXX")
 # Different checkout paths (and directory names), different output bases.
 checkouts=("$work/first/rules_dsa" "$work/second/elsewhere/checkout")
