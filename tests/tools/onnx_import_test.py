@@ -77,3 +77,42 @@ def test_a_quant_scheme_is_refused_for_an_imported_graph(tmp_path):
     with pytest.raises(DsaError) as e:
         export_onnx(view, path, manifest_name="policy.yaml")
     assert e.value.where == "policy.yaml: quant_scheme" and "set quant_scheme kind: none" in str(e.value)
+
+
+def test_inline_weights_are_read_from_the_onnx_file_and_the_module_matches_onnxruntime(tmp_path):
+    """An ONNX file without external data: the .onnx itself is the checkpoint; DsaParams reads each
+    initializer where the file holds it, and the compiled module equals ONNX Runtime on the same file."""
+    import iree.runtime as rt
+    import onnxruntime as ort
+
+    from dsa.core.formats import RECORD_FORMAT
+    from dsa.stages.compile import compile_flags, run_iree_compile
+    from dsa.stages.params import build_params
+
+    path = _graph(tmp_path, "Tanh")
+    mlir, record = export_onnx(_view(path), path, manifest_name="policy.yaml")
+    (tmp_path / "model.mlir").write_text(mlir, encoding="utf-8")
+    target = {"name": "x86_64-v3", "device": "local", "backends": ["llvm-cpu"], "runtime_driver": "local-task",
+              "flags": ["--iree-hal-local-target-device-backends=llvm-cpu",
+                        "--iree-llvmcpu-target-triple=x86_64-unknown-linux-gnu",
+                        "--iree-llvmcpu-target-cpu=x86-64-v3"]}
+    flags = compile_flags({"model_id": "onnx_policy", "quant_scheme": {"kind": "none"}, "target": "x86_64-v3",
+                           "input_type": "onnx"}, target, "compile")
+    vmfb = tmp_path / "model.vmfb"
+    run_iree_compile(tmp_path / "model.mlir", flags + ["--mlir-disable-threading"], vmfb, "compile")
+    params_view = {"model_id": "onnx_policy", "checkpoint": {"path": "model.onnx", "sha256": sha256_file(path)},
+                   "quant_scheme": {"kind": "none"}}
+    irpa = tmp_path / "params.irpa"
+    build_params(path, params_view, dict(record, format=RECORD_FORMAT), irpa, manifest_name="policy.yaml")
+
+    state = np.random.default_rng(3).standard_normal((1, 14)).astype(np.float32)
+    config = rt.Config("local-sync")
+    index = rt.ParameterIndex()
+    index.load(str(irpa))
+    params = rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope=record["parameter_scope"]))
+    module = rt.VmModule.copy_buffer(config.vm_instance, vmfb.read_bytes())
+    context = rt.SystemContext(vm_modules=[params, module], config=config)
+    got = np.asarray(getattr(context.modules[module.name], record["function"])(state))
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"state": state})[0]
+    assert got.shape == (1, 16, 14)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
