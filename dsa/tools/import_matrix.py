@@ -93,7 +93,8 @@ POLICIES_INDEX_FORMAT = 1
 
 def read_import_sources(bin_dir: Path) -> Dict[str, dict]:
     """Per policy (dsa_vmfb name): what `dsa compile` needs to build it without Bazel — its manifest,
-    checkpoint, policy_config and python (None: the toolchain's) — as the policies index gives them."""
+    checkpoint, policy_config, model_file and python (None: the toolchain's) — as the policies index gives
+    them."""
     index = json.loads((bin_dir / POLICIES_INDEX).read_text())
     return {p["name"]: p for p in index["policies"] if "manifest" in p}
 
@@ -454,6 +455,8 @@ def import_command(source: dict, out: Path, bin_dir: Path, workspace: Path) -> L
            "--pythonpath", str(root)]
     if source.get("policy_config"):
         cmd += ["--policy-config", str(_resolve(source["policy_config"], bin_dir, workspace))]
+    if source.get("model_file"):  # frameworks onnx, stablehlo: the file the build imported
+        cmd += ["--model-file", str(_resolve(source["model_file"], bin_dir, workspace))]
     return cmd
 
 

@@ -118,7 +118,11 @@ def test_import_command_builds_the_policy_from_its_build_inputs_in_its_own_envir
                      "--tuning-dir": str(runfiles / "toolchains/tuning"), "--pythonpath": str(runfiles),
                      "--policy-config": str(runfiles / "models/act_policy/config.json")}
     plain = im.import_command(dict(source, python=None, policy_config=None), tmp_path / "o", runfiles, tmp_path)
-    assert plain[0] == sys.executable and "--policy-config" not in plain
+    assert plain[0] == sys.executable and "--policy-config" not in plain and "--model-file" not in plain
+    # A file front end's model file (the policies index's model_file) is passed as the build imported it.
+    onnx = im.import_command(dict(source, python=None, policy_config=None, model_file="models/m/model.onnx"),
+                             tmp_path / "o", runfiles, tmp_path)
+    assert onnx[onnx.index("--model-file") + 1] == str(runfiles / "models/m/model.onnx")
 
 
 def test_fmt_bytes_units():
