@@ -1,0 +1,110 @@
+"""A release bundle runs where only IREE's runtime and numpy are installed (@dsa_runtime_python): the
+deployment API keeps LeRobot's action queue (`select_action` runs the module once per n_action_steps calls and
+returns the chunk's actions in order; `reset` empties it), gives the build tree's actions, and refuses a
+tampered bundle; `dsa run BUNDLE` works there too. Nothing here may import torch."""
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+
+import dsa.runtime
+from dsa.core.errors import DsaError
+from dsa.runtime.policy import CompiledPolicy, sample_inputs
+
+SRCDIR = os.path.join(os.environ.get("TEST_SRCDIR", "."), os.environ.get("TEST_WORKSPACE", ""))
+
+
+def runfile(path):
+    from pathlib import Path
+
+    return Path(SRCDIR) / path
+
+
+BUNDLE = runfile("models/pi0_bundle.tar")
+FLEET = runfile("models/pi0_fleet_bundle.tar")
+INDEX = runfile("models/pi0.modules.json")
+LOCK = runfile("requirements_runtime_lock.txt")
+
+
+def _canon(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_the_environment_holds_the_runtime_lock_and_nothing_else():
+    pinned = {_canon(line.split("==")[0]) for line in LOCK.read_text().splitlines() if "==" in line}
+    installed = {_canon(d.metadata["Name"]) for d in importlib.metadata.distributions()} - {"pip", "setuptools"}
+    assert installed == pinned
+    for absent in ("torch", "yaml", "jsonschema", "safetensors", "iree.compiler"):
+        assert importlib.util.find_spec(absent) is None, absent
+
+
+def _observation(seed=0):
+    """A sample observation without the step-count input (the policy sets it to the manifest's flow_steps)."""
+    record = CompiledPolicy(INDEX).modules[0].record
+    obs = sample_inputs(record, {"prompt_len": 20}, np.random.default_rng(seed))
+    for spec in record["inputs"]:
+        if "value_range" in spec:
+            del obs[spec["name"]]
+    return obs
+
+
+def test_select_action_returns_the_chunk_one_action_per_step_and_runs_again_when_it_is_used_up():
+    obs = _observation()
+    with dsa.runtime.load(BUNDLE) as policy:
+        n = policy.n_action_steps
+        chunk = policy.predict_action_chunk(obs)
+        policy.reset()
+        got = [policy.select_action(obs) for _ in range(n)]
+        assert policy.queued == 0
+        for i, action in enumerate(got):
+            assert action.shape == (1, chunk.shape[-1])
+            np.testing.assert_array_equal(action, chunk[:, i])
+        # The next call runs the module again, on the observation it is given.
+        other = _observation(seed=1)
+        fresh = policy.select_action(other)
+        assert policy.queued == n - 1
+        np.testing.assert_array_equal(fresh, policy.predict_action_chunk(other)[:, 0])
+        # reset() drops the queue: the next action is the first of a new chunk.
+        policy.reset()
+        np.testing.assert_array_equal(policy.select_action(obs), chunk[:, 0])
+
+
+def test_the_bundle_gives_the_build_trees_actions():
+    obs = _observation()
+    steps = next(s["name"] for s in CompiledPolicy(INDEX).modules[0].record["inputs"] if "value_range" in s)
+    with dsa.runtime.load(BUNDLE) as policy:
+        (want, *_), _ = CompiledPolicy(INDEX).run(dict(obs, **{steps: np.array(policy.flow_steps, np.int64)}))
+        np.testing.assert_array_equal(policy.predict_action_chunk(obs), want)
+
+
+def test_a_multi_target_bundle_loads_the_first_target_this_machine_runs():
+    with dsa.runtime.load(FLEET) as policy:
+        assert policy.target in ("x86_64-v4", "x86_64-v3")  # Orin's GPU and CPU do not run here
+        assert policy.select_action(_observation()).shape[0] == 1
+
+
+def test_a_tampered_bundle_is_refused_before_anything_loads(tmp_path):
+    data = bytearray(BUNDLE.read_bytes())
+    with tarfile.open(BUNDLE) as tar:
+        member = next(m for m in tar if m.name.endswith(".vmfb"))
+    data[member.offset_data + 100] ^= 0xFF
+    broken = tmp_path / "pi0_bundle.tar"
+    broken.write_bytes(bytes(data))
+    with pytest.raises(DsaError, match="sha256"):
+        dsa.runtime.load(broken)
+
+
+def test_dsa_run_runs_the_bundle_here():
+    proc = subprocess.run([sys.executable, "-m", "dsa.runtime.run", "--bundle", str(BUNDLE), "--steps", "1",
+                           "--repeats", "1"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == 0, proc.stderr
+    assert "action chunk (1, " in proc.stdout
+    assert "torch" not in sys.modules
