@@ -220,7 +220,8 @@ def _run(a: argparse.Namespace, index: Path) -> None:
             observation[step_input] = np.array(steps, dtype=np.int64)
         outputs, module, latencies = policy.timed_run(observation, repeats=a.repeats)
         actions = outputs[0]
-        bucket = f"{module.bucket['dim']}={module.bucket['size']}" if module.bucket else "dynamic"
+        bucket = (f"{module.bucket['dim']}={module.bucket['size']}" if module.bucket
+                  else "dynamic" if module.record.get("dynamic_dims") else "static")
         p50, p90 = np.percentile(latencies, [50, 90])
         print(f"flow_steps={steps:<3d} bucket {bucket:<16s} action chunk {tuple(actions.shape)} "
               f"(execute the first {runtime_view['n_action_steps']}); latency p50 {p50:.2f} ms, "
