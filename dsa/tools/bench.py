@@ -403,9 +403,9 @@ def ort_session(eager, args, names: List[str], path: Path, threads: int):
     return session, feeds
 
 
-def _error(e: BaseException) -> str:
+def _error(e: BaseException, limit: int = 200) -> str:
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+    return f"{type(e).__name__}: {text[0][:limit] if text else ''}"
 
 
 # -- reference cases ---------------------------------------------------------------------------------
@@ -510,10 +510,14 @@ def _ablation_variants(variants: Dict[str, Built], subject: Subject, manifest: d
 
 
 def executorch_available() -> bool:
-    """Whether ExecuTorch imports here (the benchmark runs in the ExecuTorch environment under `bazel run`)."""
+    """Whether ExecuTorch's package imports here (the benchmark runs in the ExecuTorch environment under `bazel
+    run`). Its runtime subpackage is looked up, so that a module merely named `executorch` does not count."""
     import importlib.util
 
-    return importlib.util.find_spec("executorch") is not None
+    try:
+        return importlib.util.find_spec("executorch.runtime") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def executorch_program(subject: Subject, manifest: dict, work: Path, threads: int, pythonpath: List[str]):
@@ -558,7 +562,7 @@ def _time_subject(subject: Subject, manifest: dict, target_name: str, target: di
         try:
             executorch = executorch_program(subject, manifest, work / "executorch", threads, [str(root)])
         except Exception as e:  # reported in the results, not fatal: not every model lowers to ExecuTorch
-            executorch_error = _error(e)
+            executorch_error = _error(e, limit=600)  # the lowering's reason comes last
     compiled = None
     compile_error = None
     compile_s = None
@@ -589,7 +593,7 @@ def _time_subject(subject: Subject, manifest: dict, target_name: str, target: di
                     checks["executorch"] = parity(executorch.run_prepared(pte_args)[0], ref)
                     fns["executorch"] = (lambda p, a: lambda: p.run_prepared(a))(executorch, pte_args)
                 except Exception as e:
-                    executorch_error = _error(e)
+                    executorch_error = _error(e, limit=600)  # the lowering's reason comes last
             if compiled is not None and compile_error is None:
                 try:
                     start = time.perf_counter()
@@ -1162,6 +1166,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="do not time the ExecuTorch Plan B (the benchmark otherwise runs in the ExecuTorch "
                              "environment, a superset of the toolchain's, when it is in the runfiles)")
     a = parser.parse_args(argv)
+    # Run as a script, this file's directory (dsa/tools/) is first on sys.path, and its executorch.py would
+    # shadow ExecuTorch's package: the package root stays on the path, the tools directory does not.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     # Not resolved: under `bazel run` this file is a runfiles symlink, and the runfiles tree (not the source
     # tree it points into) holds the generated checkpoints.
     root = a.root or Path(os.path.abspath(__file__)).parents[2]
@@ -1172,7 +1180,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         pythonpath = [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         os.environ["PYTHONPATH"] = os.pathsep.join(pythonpath)
         args = list(sys.argv[1:] if argv is None else argv)
-        os.execv(str(executorch_python), [str(executorch_python), os.path.abspath(__file__), *args])
+        os.execv(str(executorch_python), [str(executorch_python), "-m", "dsa.tools.bench", *args])
     if a.lerobot_only:
         run_lerobot_benchmark(root, a.lerobot_only, models=a.models, runs=a.runs, warmup=a.warmup,
                               threads=a.threads, light=a.light, full_size_light=a.full_size_light)
