@@ -80,7 +80,7 @@ class DeployedPolicy:
                 raise DsaError(f"{self.model_id}: n_action_steps",
                                f"{self.n_action_steps} is more than the chunk's {chunk.shape[1]} actions",
                                "rebuild with n_action_steps <= chunk_size")
-            self._queue.extend(np.ascontiguousarray(chunk[:, i]) for i in range(self.n_action_steps))
+            self._queue.extend(np.array(chunk[:, i], copy=True) for i in range(self.n_action_steps))
         return self._queue.popleft()
 
     @property

@@ -200,7 +200,10 @@ class CompiledPolicy:
         module, sizes = self.select(inputs)
         args = self.prepare(module, inputs)
         result = self._invoker(module)(*args)
-        results = [np.asarray(r.to_host()) for r in (result if isinstance(result, (list, tuple)) else [result])]
+        # Copied: the host view of a result buffer can be reused by the runtime once the call's buffers are
+        # released, and callers keep results across calls (the deployment API's action queue does).
+        results = [np.array(r.to_host(), copy=True)
+                   for r in (result if isinstance(result, (list, tuple)) else [result])]
         # Outputs along a padded bucket dim (a batch bucket) are cut back to the inputs' size.
         for i, spec in enumerate(module.record["outputs"]):
             for axis, dim in spec.get("dims", {}).items():
