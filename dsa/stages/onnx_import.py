@@ -216,12 +216,10 @@ def check_lowerable(mlir_with_locations: str, model, where: str) -> None:
                           f"{message})", OP_CHOICES)
 
 
-def export_onnx(view: dict, model_file: Path, *, bucket: Optional[dict] = None,
-                manifest_name: str = "manifest") -> Tuple[str, dict]:
-    """(MLIR text, export record) of the ONNX model `model_file` for the export view (and `bucket`)."""
-    import onnx
-
-    where = f"{manifest_name}: model.file ({model_file})"
+def check_model_file(view: dict, model_file: Path, quantise_where: str, manifest_name: str) -> str:
+    """What a file front end checks first: the file is the one the manifest pins (model.file.sha256), and the
+    manifest asks for no quantisation (a rewrite of PyTorch graphs; an imported model is taken as it is).
+    Returns the file's sha256."""
     pinned = view["model"]["file"]["sha256"]
     actual = sha256_file(model_file)
     if actual != pinned:
@@ -231,8 +229,19 @@ def export_onnx(view: dict, model_file: Path, *, bucket: Optional[dict] = None,
     quant = view.get("quant_scheme", {"kind": "none"})
     if quant.get("kind", "none") != "none":
         raise DsaError(f"{manifest_name}: quant_scheme",
-                       f"quant_scheme '{quant['kind']}' rewrites a PyTorch export's graph; framework onnx imports the "
-                       "graph as it is", "set quant_scheme kind: none (or quantise the model before exporting it)")
+                       f"quant_scheme '{quant['kind']}' rewrites a PyTorch export's graph; framework "
+                       f"{view.get('framework', 'onnx')} imports the model as it is",
+                       f"set quant_scheme kind: none (or quantise {quantise_where})")
+    return actual
+
+
+def export_onnx(view: dict, model_file: Path, *, bucket: Optional[dict] = None,
+                manifest_name: str = "manifest") -> Tuple[str, dict]:
+    """(MLIR text, export record) of the ONNX model `model_file` for the export view (and `bucket`)."""
+    import onnx
+
+    where = f"{manifest_name}: model.file ({model_file})"
+    actual = check_model_file(view, model_file, "the model before exporting it", manifest_name)
     model = load_graph(model_file, where)
     inputs, outputs = _graph_inputs(model), list(model.graph.output)
     if not outputs:

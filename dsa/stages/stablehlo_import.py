@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from dsa.core.errors import DsaError
-from dsa.core.fileio import sha256_bytes, sha256_file
-from dsa.stages.onnx_import import _check_manifest_agrees, check_inputs_agree
+from dsa.core.fileio import sha256_bytes
+from dsa.stages.onnx_import import _check_manifest_agrees, check_inputs_agree, check_model_file
 
 PARAMETER_SCOPE = "model"
 FUNCTION = "main"
@@ -425,12 +425,7 @@ def export_stablehlo(view: dict, model_file: Path, *, bucket: Optional[dict] = N
 
     model_file = Path(model_file)
     where = f"{manifest_name}: model.file ({model_file})"
-    pinned = view["model"]["file"]["sha256"]
-    actual = sha256_file(model_file)
-    if actual != pinned:
-        raise DsaError(f"{manifest_name}: model.file.sha256",
-                       f"model file {model_file} has sha256 {actual}, but the manifest pins {pinned}",
-                       "if this model file is the one you mean to ship, set model.file.sha256 to the new digest")
+    actual = check_model_file(dict(view, framework="stablehlo"), model_file, "in JAX", manifest_name)
     static_hint = ("StableHLO from JAX is imported at the shapes it was exported with; export once per size "
                    "(jax.export at a fixed batch), one manifest each, and remove buckets")
     if bucket is not None:
@@ -440,12 +435,6 @@ def export_stablehlo(view: dict, model_file: Path, *, bucket: Optional[dict] = N
         raise DsaError(f"{manifest_name}: buckets",
                        f"framework stablehlo has no dynamic dims to bucket ({', '.join(view['bucket_dims'])})",
                        static_hint)
-    quant = view.get("quant_scheme", {"kind": "none"})
-    if quant.get("kind", "none") != "none":
-        raise DsaError(f"{manifest_name}: quant_scheme",
-                       f"quant_scheme '{quant['kind']}' rewrites a PyTorch export's graph; framework stablehlo "
-                       "imports the module as it is", "set quant_scheme kind: none (or quantise in JAX)")
-
     context, module = _parse(model_file, where)
     functions = _functions(module)
     mains = [f for f in functions if _string(f.attributes["sym_name"]) == FUNCTION
