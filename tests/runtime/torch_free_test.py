@@ -17,15 +17,7 @@ import pytest
 import dsa.runtime
 from dsa.core.errors import DsaError
 from dsa.runtime.policy import CompiledPolicy, sample_inputs
-
-SRCDIR = os.path.join(os.environ.get("TEST_SRCDIR", "."), os.environ.get("TEST_WORKSPACE", ""))
-
-
-def runfile(path):
-    from pathlib import Path
-
-    return Path(SRCDIR) / path
-
+from dsa.tools.testing import runfile  # torch-free at import
 
 BUNDLE = runfile("models/pi0_bundle.tar")
 FLEET = runfile("models/pi0_fleet_bundle.tar")
