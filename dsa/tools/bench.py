@@ -593,7 +593,7 @@ def _time_subject(subject: Subject, manifest: dict, target_name: str, target: di
                     checks["executorch"] = parity(executorch.run_prepared(pte_args)[0], ref)
                     fns["executorch"] = (lambda p, a: lambda: p.run_prepared(a))(executorch, pte_args)
                 except Exception as e:
-                    executorch_error = _error(e, limit=600)  # the lowering's reason comes last
+                    executorch_error = _error(e, limit=600)
             if compiled is not None and compile_error is None:
                 try:
                     start = time.perf_counter()
