@@ -14,7 +14,7 @@ Data path (each arrow one action, by mnemonic):
 load("@rules_python//python:defs.bzl", "py_binary")
 load("//rules/private:bucket.bzl", _dsa_bucket = "dsa_bucket")
 load("//rules/private:common.bzl", _dsa_target = "dsa_target")
-load("//rules/private:model.bzl", _dsa_checkpoint = "dsa_checkpoint", _dsa_lerobot_policy = "dsa_lerobot_policy", _dsa_model = "dsa_model")
+load("//rules/private:model.bzl", _dsa_checkpoint = "dsa_checkpoint", _dsa_lerobot_policy = "dsa_lerobot_policy", _dsa_lerobot_processors = "dsa_lerobot_processors", _dsa_lerobot_tokenizer = "dsa_lerobot_tokenizer", _dsa_model = "dsa_model")
 load(
     "//rules/private:providers.bzl",
     _DsaBucketInfo = "DsaBucketInfo",
@@ -42,6 +42,8 @@ dsa_vmfb = _dsa_vmfb
 dsa_target = _dsa_target
 dsa_checkpoint = _dsa_checkpoint
 dsa_lerobot_policy = _dsa_lerobot_policy
+dsa_lerobot_processors = _dsa_lerobot_processors
+dsa_lerobot_tokenizer = _dsa_lerobot_tokenizer
 
 # The ExecuTorch Plan B: `dsa_pte(name, model = ":<policy>_model")` builds the same model and checkpoint into
 # an XNNPACK .pte (rules/private/pte.bzl); `dsa_bundle(pte = ...)` ships it with its provenance.

@@ -66,7 +66,7 @@ _VIEW_FIELDS: Dict[str, Tuple[str, ...]] = {
     "bucket": ("buckets",),
     "runtime": (
         "model_id", "chunk_size", "n_action_steps", "flow_steps", "buckets", "power_profile", "normalization",
-        "inputs", "outputs",
+        "inputs", "outputs", "processors",
     ),
 }
 
@@ -479,6 +479,24 @@ def _semantic_problems(
                     f"'{manifest['framework']}')",
                     f"remove model.{field}, or set framework: lerobot",
                 )
+    processors = manifest.get("processors")
+    if processors is not None and manifest["framework"] != "lerobot":
+        yield (
+            ("processors",),
+            f"processors are LeRobot's processor pipelines, read only for framework 'lerobot' (this manifest's: "
+            f"'{manifest['framework']}')",
+            "remove processors, or set framework: lerobot",
+        )
+    if processors is not None:
+        first_file: Dict[str, int] = {}
+        for i, entry in enumerate(processors.get("files", [])):
+            if entry["path"] in first_file:
+                yield (
+                    ("processors", "files", i, "path"),
+                    f"duplicate file '{entry['path']}' (also processors.files[{first_file[entry['path']]}])",
+                    "list each state file once",
+                )
+            first_file.setdefault(entry["path"], i)
     inputs = manifest["inputs"]
     first_camera: Dict[str, int] = {}
     for i, camera in enumerate(inputs["cameras"]):
@@ -643,6 +661,8 @@ def project(
             "inputs": m["inputs"],
             "outputs": m["outputs"],
         }
+        if "processors" in m:  # only when set, so that manifests without it keep their runtime views' bytes
+            result["processors"] = m["processors"]
     return copy.deepcopy(result)
 
 

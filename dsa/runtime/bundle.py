@@ -348,6 +348,7 @@ class StageInput:
 
 LINK_JSON = "link.json"
 PIPELINE_JSON = "pipeline.json"
+POLICY_PIPELINE_JSON = "policy_pipeline.json"  # dsa.runtime.policy_pipeline.POLICY_PIPELINE_JSON
 
 
 def _prefixed_index(index: dict, prefix: str, shared: Sequence[str] = ()) -> dict:
@@ -397,7 +398,8 @@ def _pipeline_provenance(collected, digests: Dict[str, str], bundle_name: str, t
 
 
 def write_bundle(out: Path, stages: Sequence[StageInput], *, link: Optional[Path] = None,
-                 digest_out: Optional[Path] = None) -> str:
+                 digest_out: Optional[Path] = None, processors: Optional[Sequence[Path]] = None,
+                 policy_config: Optional[Path] = None) -> str:
     """The bundle writer: writes the archive `out` (and `digest_out`, default NAME.sha256 beside it) and
     returns its sha256.
 
@@ -461,6 +463,9 @@ def write_bundle(out: Path, stages: Sequence[StageInput], *, link: Optional[Path
             "stages": [dict(report, stage=s.name) for (s, _, _), report in zip(collected, reports)],
         })
     else:
+        if processors is not None:
+            reports[0]["policy_pipeline"] = _add_policy_pipeline(collected[0], processors, policy_config,
+                                                                 payload, generated)
         generated[BUILD_REPORT_JSON] = BuildReport.dumps(reports[0])
 
     digests, sizes = _member_digests(payload, generated)
@@ -484,9 +489,46 @@ def write_bundle(out: Path, stages: Sequence[StageInput], *, link: Optional[Path
                     pipeline=pipeline, stages=[dict(stage_meta(*entry), name=entry[0].name) for entry in collected])
     else:
         meta = dict(common, **stage_meta(*collected[0]))
+        if processors is not None:
+            meta["policy_pipeline"] = POLICY_PIPELINE_JSON
     meta["files"] = {name: {"sha256": digests[name], "size": sizes[name]} for name in sorted(digests)}
     generated[BUNDLE_JSON] = BundleMeta.dumps(meta)
     return _write_archive(out, payload, generated, sizes, digest_out)
+
+
+def _add_policy_pipeline(collected, processors: Sequence[Path], policy_config: Optional[Path],
+                         payload: Dict[str, Path], generated: Dict[str, bytes]) -> List[dict]:
+    """Adds the policy's processor files, config.json and policy_pipeline.json to a single-model bundle; returns
+    the pipeline's nodes for the build report (name, implementation, the digests of what each reads)."""
+    from dsa.manifest.contract import load_manifest
+    from dsa.runtime.policy_pipeline import describe, pinned_files
+
+    stage, c, _ = collected
+    if policy_config is None:
+        raise DsaError("dsa-bundle create", "--processor needs --policy-config (the policy's config.json)")
+    manifest = load_manifest(stage.manifest)
+    members = pinned_files(manifest, stage.source or str(stage.manifest), processors, Path(policy_config))
+    for name, path in members.items():
+        if name in payload or name == POLICY_PIPELINE_JSON:
+            raise DsaError("dsa-bundle create", f"processor file '{name}' has the name of a bundle member",
+                           "rename the module or the file")
+        payload[name] = path
+    spec = describe(manifest, stage.source or str(stage.manifest), members, c.records,
+                    {name: c.digests[f"{name}.vmfb"] for name in c.records})
+    generated[POLICY_PIPELINE_JSON] = _json_bytes(spec)
+    report = []
+    for node in spec["nodes"]:
+        entry = {"name": node["name"], "implementation": node["implementation"]}
+        digests = {}
+        for key in ("pipeline", "state_file", "tokenizer"):
+            if key in node:
+                digests[node[key]["file"]] = node[key]["sha256"]
+        if "modules" in node:
+            digests.update({f"{n}.vmfb": sha for n, sha in node["modules"].items()})
+        if digests:
+            entry["sha256"] = digests
+        report.append(entry)
+    return report
 
 
 # The files every target of a multi-target bundle shares, at the archive root: parameters do not depend on the
@@ -585,12 +627,13 @@ def write_multi_target_bundle(out: Path, targets: Sequence[StageInput], *,
 
 def create_bundle(out: Path, *, lock: Path, manifest: Path, runtime_view: Path, target_spec: Path, params: Path,
                   modules: Sequence[ModuleInput], manifest_source: Optional[str] = None,
-                  digest_out: Optional[Path] = None) -> str:
+                  digest_out: Optional[Path] = None, processors: Optional[Sequence[Path]] = None,
+                  policy_config: Optional[Path] = None) -> str:
     """A single-model bundle: write_bundle of one unlinked stage."""
     stage = StageInput(name="", lock=Path(lock), manifest=Path(manifest), runtime_view=Path(runtime_view),
                        target_spec=Path(target_spec), params=Path(params), modules=modules,
                        manifest_source=manifest_source)
-    return write_bundle(out, [stage], digest_out=digest_out)
+    return write_bundle(out, [stage], digest_out=digest_out, processors=processors, policy_config=policy_config)
 
 
 def pipeline_inputs(pipeline_index: Path, manifests: Dict[str, Tuple[Path, Optional[str]]]) -> dict:
@@ -1140,7 +1183,7 @@ def extract_bundle(archive: Path, dest: Path) -> OpenedBundle:
         checks += [(table, ("target_spec",)) for table in _stage_tables(meta)]
         indexes = []
     else:
-        checks = [(meta, ("build_report", "provenance"))]
+        checks = [(meta, ("build_report", "provenance") + (("policy_pipeline",) if "policy_pipeline" in meta else ()))]
         indexes = []
     checks += [(table, ("manifest", "lock", "index_file")) for table in _stage_tables(meta)]
     indexes += [(table, "index_file", "index") for table in _stage_tables(meta)]
@@ -1361,6 +1404,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="with --pipeline: STAGE=MANIFEST[,REPOSITORY_RELATIVE_NAME] (repeat per stage)")
     c.add_argument("--pte", help="bundle an ExecuTorch program (dsa_pte's NAME.pte; its NAME.pte_record.json "
                    "beside it), with --manifest and --runtime-view: an ExecuTorch bundle (format 3)")
+    c.add_argument("--processor", action="append", default=[],
+                   help="a LeRobot processor file the manifest's `processors` pins (policy_preprocessor.json, "
+                   "policy_postprocessor.json, their statistics, tokenizer.json; repeat per file): the bundle "
+                   "ships the policy's whole pipeline (docs/policy-pipeline.md); needs --policy-config")
+    c.add_argument("--policy-config", help="with --processor: the policy's config.json (model.policy_config)")
     c.add_argument("--out", required=True, help="the archive to write (NAME.tar)")
     c.add_argument("--digest", help="where to write `<sha256>  NAME.tar` (default NAME.sha256 beside it)")
     for command, text in (("verify", "check a bundle as `dsa run` would and summarise it"),
@@ -1432,7 +1480,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             raise DsaError("dsa-bundle create", "no modules", "pass --index or --module")
         sha = create_bundle(Path(a.out), manifest=Path(a.manifest),
                             manifest_source=a.manifest_source or _source_name(Path(a.manifest)),
-                            digest_out=Path(a.digest) if a.digest else None, **files)
+                            digest_out=Path(a.digest) if a.digest else None,
+                            processors=[Path(p) for p in a.processor] if a.processor else None,
+                            policy_config=Path(a.policy_config) if a.policy_config else None, **files)
         if a.index:  # by hand, not in a build action: say what was written
             print(f"dsa-bundle: wrote {a.out} (sha256 {sha}) and {a.digest or sidecar_path(Path(a.out))}")
         return

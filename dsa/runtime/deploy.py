@@ -11,10 +11,14 @@ observation, keeps the first `n_action_steps` actions of the chunk (the manifest
 them one per call; `predict_action_chunk` runs the module every call. A step-count input (the flow or
 denoising loop kept in the module) is set to the manifest's `flow_steps` unless the observation gives it.
 
-The observation is what the compiled module takes — the export record's inputs by name (a bundle's inputs are
-the network's: normalised state, images in the model's layout, token ids). Imports numpy and IREE's runtime
-only: this runs on a robot without torch (//tests/runtime:torch_free_test runs it in an environment with
-nothing else).
+A bundle with the policy's whole pipeline (dsa_bundle with `processors`; docs/policy-pipeline.md) takes
+the raw observation — camera frames as uint8 (H, W, C), the raw state, and `task=` text for the policies that
+tokenise it — and returns the raw motor command, float32 [action dim]: LeRobot's preprocessor, the action
+queue (or ACT's temporal ensembling, or Diffusion Policy's observation history) and postprocessor run in
+the runtime (dsa.runtime.policy_pipeline), noise drawn from `seed`. Any other bundle takes what the compiled
+module takes — the export record's inputs by name (normalised state, images in the model's layout, token
+ids). Imports numpy and IREE's runtime (and `tokenizers` for a tokenising pipeline) only: this runs on a
+robot without torch (//tests/runtime:torch_free_test runs it in an environment with nothing else).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ class DeployedPolicy:
     """A verified bundle's compiled policy with LeRobot's action queue. Close it (or use it as a context
     manager) to remove the extracted files."""
 
-    def __init__(self, bundle: Union[str, Path], target: Optional[str] = None, *, allow_nonfinite: bool = False):
+    def __init__(self, bundle: Union[str, Path], target: Optional[str] = None, *, allow_nonfinite: bool = False,
+                 seed: int = 0, temporal_ensemble_coeff: Optional[float] = None):
         from dsa.runtime.bundle import open_bundle, user_path
 
         self._stack = contextlib.ExitStack()
@@ -54,11 +59,27 @@ class DeployedPolicy:
         record = self.compiled.modules[0].record
         self._step_input = next((s["name"] for s in record["inputs"] if "value_range" in s), None)
         self._queue: Deque[np.ndarray] = collections.deque()
+        self.pipeline = None  # the policy pipeline (raw observations), when the bundle has one
+        spec_file = opened.meta.get("policy_pipeline")
+        if spec_file is not None:
+            import json
+
+            from dsa.runtime.policy_pipeline import PolicyPipeline
+
+            spec = json.loads((opened.root / spec_file).read_text(encoding="utf-8"))
+            self.pipeline = PolicyPipeline(opened.root, spec, self.predict_action_chunk, seed=seed,
+                                           temporal_ensemble_coeff=temporal_ensemble_coeff)
+        elif temporal_ensemble_coeff is not None:
+            raise DsaError("temporal_ensemble_coeff", "needs a bundle with the policy's pipeline",
+                           "build the bundle with processors (docs/policy-pipeline.md)")
 
     # -- LeRobot's policy interface --------------------------------------------------------------------
     def reset(self) -> None:
-        """Empties the action queue (call at the start of every episode)."""
+        """Empties the action queue (call at the start of every episode); a policy pipeline also forgets its
+        observation history and ensemble and restarts its noise from the seed."""
         self._queue.clear()
+        if self.pipeline is not None:
+            self.pipeline.reset()
 
     def predict_action_chunk(self, observation: Dict[str, np.ndarray]) -> np.ndarray:
         """The module's action chunk for `observation`: [batch, chunk_size, action dim]."""
@@ -71,9 +92,15 @@ class DeployedPolicy:
                            "action dim]", "this bundle's first output is not an action chunk")
         return actions
 
-    def select_action(self, observation: Dict[str, np.ndarray]) -> np.ndarray:
-        """One control step's action, [batch, action dim]: the next queued action, running the module on
-        `observation` when the queue is empty (the observation of the other steps is not read)."""
+    def select_action(self, observation: Dict[str, np.ndarray], task: Optional[str] = None) -> np.ndarray:
+        """One control step's action. With a policy pipeline: the raw motor command (float32 [action dim]) for
+        the raw observation (and `task` text). Otherwise [batch, action dim]: the next queued action, running
+        the module on `observation` when the queue is empty (the observation of the other steps is not read)."""
+        if self.pipeline is not None:
+            return self.pipeline.select_action(observation, task)
+        if task is not None:
+            raise DsaError("task", "this bundle has no policy pipeline: its module takes token ids, not text",
+                           "pass the observation's token inputs")
         if not self._queue:
             chunk = self.predict_action_chunk(observation)
             if chunk.shape[1] < self.n_action_steps:
@@ -99,7 +126,10 @@ class DeployedPolicy:
         self.close()
 
 
-def load(bundle: Union[str, Path], target: Optional[str] = None, *, allow_nonfinite: bool = False) -> DeployedPolicy:
+def load(bundle: Union[str, Path], target: Optional[str] = None, *, allow_nonfinite: bool = False, seed: int = 0,
+         temporal_ensemble_coeff: Optional[float] = None) -> DeployedPolicy:
     """Verifies a release bundle and loads its policy (a multi-target bundle: `target`, else the first of its
-    targets this machine runs)."""
-    return DeployedPolicy(bundle, target, allow_nonfinite=allow_nonfinite)
+    targets this machine runs). `seed`: the noise of a flow / diffusion policy pipeline; `temporal_ensemble_coeff`:
+    ACT's temporal ensembling (a pipeline bundle with n_action_steps 1)."""
+    return DeployedPolicy(bundle, target, allow_nonfinite=allow_nonfinite, seed=seed,
+                          temporal_ensemble_coeff=temporal_ensemble_coeff)

@@ -112,13 +112,21 @@ def _dsa_bundle_impl(ctx):
     args.add("--params", model.params)
     for vmfb, record, report in zip(module.vmfbs, module.records, module.reports):
         args.add("--module", "%s=%s,%s,%s" % (vmfb.basename[:-len(".vmfb")], vmfb.path, record.path, report.path))
+    if ctx.files.processors:
+        if not ctx.file.policy_config:
+            fail("dsa_bundle %s: `processors` needs `policy_config` (the policy's config.json)" % ctx.label)
+        args.add_all(ctx.files.processors, before_each = "--processor")
+        args.add("--policy-config", ctx.file.policy_config)
+    elif ctx.file.policy_config:
+        fail("dsa_bundle %s: `policy_config` is read only with `processors`" % ctx.label)
     args.add("--out", archive)
     args.add("--digest", digest)
     ctx.actions.run(
         executable = ctx.executable._bundle_tool,
         arguments = [args],
         inputs = [lock, model.manifest, model.runtime_view, module.target.spec, model.params, ctx.file._toolchain_identity] +
-                 module.vmfbs + module.records + module.reports,
+                 module.vmfbs + module.records + module.reports + ctx.files.processors +
+                 ([ctx.file.policy_config] if ctx.file.policy_config else []),
         outputs = [archive, digest],
         mnemonic = "DsaBundle",
         progress_message = "Bundling %s for release" % ctx.attr.module.label,
@@ -161,6 +169,18 @@ manifest and runtime view, and a provenance statement naming the digests of ever
         "pipeline": attr.label(
             providers = [DsaPipelineInfo],
             doc = "A dsa_pipeline: a pipeline bundle of all its stages and its link (docs/bundle-format.md).",
+        ),
+        "processors": attr.label_list(
+            allow_files = True,
+            doc = "With `module` (a LeRobot policy): LeRobot's processor files as the manifest's `processors` " +
+                  "pins them (policy_preprocessor.json, policy_postprocessor.json, their statistics, " +
+                  "tokenizer.json; a directory such as dsa_lerobot_processors' is read file by file). The " +
+                  "bundle then ships the policy's whole pipeline: raw observations in, raw actions out " +
+                  "(docs/policy-pipeline.md).",
+        ),
+        "policy_config": attr.label(
+            allow_single_file = [".json"],
+            doc = "With `processors`: the policy's config.json (the manifest's model.policy_config).",
         ),
         "_bundle_tool": attr.label(default = Label("//dsa:bundle_tool"), executable = True, cfg = "exec"),
     }),

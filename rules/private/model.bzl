@@ -210,3 +210,95 @@ dsa_lerobot_policy = rule(
         "weights": "%{name}/model.safetensors",
     },
 )
+
+def _dsa_lerobot_processors_impl(ctx):
+    out = ctx.actions.declare_directory(ctx.label.name)
+    config = [f for f in ctx.files.policy if f.basename == "config.json"]
+    if len(config) != 1:
+        fail("dsa_lerobot_processors %s: `policy` must hold exactly one config.json, it holds %d" % (ctx.label, len(config)))
+    args = ctx.actions.args()
+    args.add("processors")
+    args.add("--policy-dir", config[0].dirname)
+    args.add("--seed", str(ctx.attr.seed))
+    args.add("--out-dir", out.path)
+    inputs = [config[0]]
+    if ctx.files.tokenizer:
+        tokenizer_json = [f for f in ctx.files.tokenizer if f.basename == "tokenizer.json"]
+        if len(tokenizer_json) != 1:
+            fail("dsa_lerobot_processors %s: `tokenizer` must hold a tokenizer.json" % ctx.label)
+        args.add("--tokenizer", tokenizer_json[0].dirname)
+        inputs += ctx.files.tokenizer
+    run_tool(
+        ctx,
+        python_env_of(ctx.attr.python_env),
+        ctx.attr._processors_tool,
+        "dsa.frontends.lerobot_processors",
+        [args],
+        depset(inputs),
+        outputs = [out],
+        mnemonic = "DsaCheckpoint",
+        progress_message = "Writing LeRobot processor pipelines of %s" % ctx.label,
+        execution_requirements = execution_requirements(ctx),
+    )
+    return [DefaultInfo(files = depset([out]), runfiles = ctx.runfiles(files = [out]))]
+
+dsa_lerobot_processors = rule(
+    implementation = _dsa_lerobot_processors_impl,
+    doc = """A LeRobot policy's pre- and post-processor pipelines with seeded dataset statistics, saved by LeRobot's
+own `make_pre_post_processors` + `save_pretrained` into the directory `<name>/` (policy_preprocessor.json,
+policy_postprocessor.json, their statistics .safetensors), byte-identical on every machine: stand-ins for the
+files a trained policy directory holds. A dsa_bundle with `processors` ships them (docs/policy-pipeline.md).""",
+    attrs = dict(TOOL_ATTRS, **dict(ENV_ATTRS, **{
+        "policy": attr.label(mandatory = True, allow_files = True, doc = "The policy directory (a dsa_lerobot_policy): its config.json."),
+        "seed": attr.int(default = 0),
+        "tokenizer": attr.label(allow_files = True, doc = "Tokenizer directory files (tokenizer.json + tokenizer_config.json) for SmolVLA, PI0, PI0.5."),
+        "python_env": attr.label(
+            default = Label("@dsa_lerobot_python//:env"),
+            allow_files = True,
+            cfg = "exec",
+            doc = "The dsa_python_env with LeRobot installed.",
+        ),
+        "_processors_tool": attr.label(default = Label("//dsa:lerobot_processors_tool"), executable = True, cfg = "exec"),
+    })),
+)
+
+def _dsa_lerobot_tokenizer_impl(ctx):
+    outs = [ctx.outputs.tokenizer_json, ctx.outputs.tokenizer_config, ctx.outputs.special_tokens_map]
+    args = ctx.actions.args()
+    args.add("tokenizer")
+    args.add("--out-dir", ctx.outputs.tokenizer_json.dirname)
+    run_tool(
+        ctx,
+        python_env_of(ctx.attr.python_env),
+        ctx.attr._processors_tool,
+        "dsa.frontends.lerobot_processors",
+        [args],
+        depset(),
+        outputs = outs,
+        mnemonic = "DsaCheckpoint",
+        progress_message = "Training the stand-in tokenizer %s" % ctx.label,
+        execution_requirements = execution_requirements(ctx),
+    )
+    return [DefaultInfo(files = depset(outs), runfiles = ctx.runfiles(files = outs))]
+
+dsa_lerobot_tokenizer = rule(
+    implementation = _dsa_lerobot_tokenizer_impl,
+    doc = """A stand-in tokenizer directory (`<name>/tokenizer.json`, `tokenizer_config.json`,
+`special_tokens_map.json`): a BPE tokenizer trained in the build with the `tokenizers` library on a fixed corpus
+of task texts, saved as transformers saves a Hub tokenizer; byte-identical on every machine. For the
+VLAs' processors (dsa_lerobot_processors `tokenizer`), since their real tokenizers cannot be downloaded here.""",
+    attrs = dict(TOOL_ATTRS, **dict(ENV_ATTRS, **{
+        "python_env": attr.label(
+            default = Label("@dsa_lerobot_python//:env"),
+            allow_files = True,
+            cfg = "exec",
+            doc = "The dsa_python_env with tokenizers and transformers installed.",
+        ),
+        "_processors_tool": attr.label(default = Label("//dsa:lerobot_processors_tool"), executable = True, cfg = "exec"),
+    })),
+    outputs = {
+        "tokenizer_json": "%{name}/tokenizer.json",
+        "tokenizer_config": "%{name}/tokenizer_config.json",
+        "special_tokens_map": "%{name}/special_tokens_map.json",
+    },
+)
