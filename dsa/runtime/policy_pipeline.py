@@ -378,17 +378,14 @@ class PolicyPipeline:
         self.timings = {}
         raw = self._check_observation(observation, task)
         batch = self._timed("prepare_observation", prepare_observation, raw, task)
-        batch = self._timed("preprocessor", self.preprocessor, batch)
+        batch = self.preprocessor(batch, self.timings, "preprocessor")
         inputs = {i["name"]: _as_input(i, batch[i["name"]], self.pad_id) for i in self.network_inputs
                   if i["space"] == "normalised"}
         if self.n_obs_steps > 1:
-            for name, value in inputs.items():
-                queue = self._history.setdefault(name, collections.deque(maxlen=self.n_obs_steps))
-                while len(queue) < self.n_obs_steps - 1:
-                    queue.append(value)
-                queue.append(value)
+            self._timed("observation_history", self._remember, inputs)
         if self.ensembler is not None:
-            action = self.ensembler.update(self._network(inputs))
+            chunk = self._network(inputs)
+            action = self._timed("temporal_ensembler", self.ensembler.update, chunk)
         else:
             if not self._queue:
                 chunk = self._network(inputs)
@@ -396,9 +393,18 @@ class PolicyPipeline:
                     raise DsaError("n_action_steps", f"{self.n_action_steps} is more than the chunk's "
                                    f"{chunk.shape[1]} actions", "rebuild with n_action_steps <= chunk_size")
                 self._queue.extend(np.array(chunk[:, i], copy=True) for i in range(self.n_action_steps))
-            action = self._queue.popleft()
-        result = self._timed("postprocessor", self.postprocessor, {"action": action})
+            action = self._timed("action_queue", self._queue.popleft)
+        result = self.postprocessor({"action": action}, self.timings, "postprocessor")
         return np.asarray(result["action"], dtype=np.float32).reshape(-1)
+
+    def _remember(self, inputs: Dict[str, np.ndarray]) -> None:
+        """Diffusion Policy's observation queues (LeRobot's populate_queues): the first observation of an episode
+        fills the history, later ones push the oldest out."""
+        for name, value in inputs.items():
+            queue = self._history.setdefault(name, collections.deque(maxlen=self.n_obs_steps))
+            while len(queue) < self.n_obs_steps - 1:
+                queue.append(value)
+            queue.append(value)
 
     def _network(self, inputs: Dict[str, np.ndarray]) -> np.ndarray:
         feeds = dict(inputs)

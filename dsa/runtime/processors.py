@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -603,16 +604,25 @@ class ProcessorPipeline:
             steps.append(step)
         return cls(json_path, str(config.get("name", json_path.stem)), steps, config["steps"], files)
 
-    def __call__(self, data: Dict[str, Any]) -> Dict[str, Any]:
-        """Runs the steps in order on a flat dict (see the module docstring for which keys are kept)."""
+    def __call__(self, data: Dict[str, Any], timings: Optional[Dict[str, float]] = None,
+                 prefix: str = "") -> Dict[str, Any]:
+        """Runs the steps in order on a flat dict (see the module docstring for which keys are kept). With
+        `timings`, each step's seconds are added under `<prefix>[<i>] <registry_name>` (the pipeline node's
+        name in policy_pipeline.json)."""
         observation = {k: v for k, v in data.items() if k.startswith(OBS_PREFIX)}
         complementary = {k: v for k, v in data.items() if k in _COMPLEMENTARY or "_is_pad" in k}
         action = data.get(ACTION)
         if action is not None:
             action = np.asarray(action)
         t: Transition = {"observation": observation or None, "action": action, "complementary": complementary}
-        for step in self.steps:
+        for i, step in enumerate(self.steps):
+            if timings is None:
+                t = step(t)
+                continue
+            start = time.perf_counter()
             t = step(t)
+            name = f"{prefix}[{i}] {self._entries[i].get('registry_name')}"
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
         out: Dict[str, Any] = {}
         if t["action"] is not None:
             out[ACTION] = t["action"]

@@ -7,6 +7,15 @@
 The runner picks the smallest shape bucket that holds the observation, pads it, runs the requested number
 of flow steps through the one compiled loop, and prints the action chunk and latency percentiles.
 
+A bundle with the policy's whole pipeline (docs/policy-pipeline.md) runs raw observations to raw actions:
+
+    dsa run act_pipeline_bundle.tar --observation episode.npz [--task TEXT] [--profile] [--out actions.npy]
+
+`--observation` holds the raw observation (camera frames uint8 (H, W, C), the raw state), or an episode:
+the same arrays with a leading step axis, run step by step through the action queue; without it a sample
+episode of 2 x n_action_steps steps is generated. `--profile` prints each pipeline node's time per control
+step (mean and p90 over the steps); `--out` writes the raw actions ([steps, action dim], .npy).
+
 With --bundle it first verifies the archive (its sha256 against NAME.sha256 beside it when present, its
 format, every file against bundle.json; see dsa/runtime/bundle.py), extracts it to a temporary directory and runs
 the bundle's own module index; a corrupted, truncated or unsupported bundle is refused (exit 2).
@@ -151,6 +160,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                         "bundle's targets this machine can execute)")
     parser.add_argument("--allow-nonfinite", action="store_true",
                         help="pass NaN/Inf in float inputs to the module (refused by default)")
+    pipeline = parser.add_argument_group("bundles with the policy's pipeline (raw observations)")
+    pipeline.add_argument("--task", help="the task text (policies that tokenise it)")
+    pipeline.add_argument("--profile", action="store_true", help="print each pipeline node's time per control step")
+    pipeline.add_argument("--out", help="write the raw actions, [steps, action dim], to this .npy file")
+    pipeline.add_argument("--temporal-ensemble-coeff", type=float,
+                          help="ACT: ensemble overlapping chunks (runs the network every step)")
     a = parser.parse_args(argv)
     if a.repeats < 1 or a.repeats > 100000:
         raise DsaError("--repeats", f"{a.repeats} is not a number of runs in [1, 100000]")
@@ -176,6 +191,15 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"signature {signature_path(archive).name}: verified with {a.require_signature}")
     with open_bundle(archive) as bundle:
         print(bundle.describe())
+        if bundle.meta.get("policy_pipeline"):
+            _run_policy_pipeline(a, archive)
+            return
+        pipeline_only = [f for f in ("task", "profile", "out", "temporal_ensemble_coeff") if getattr(a, f) is not None
+                         and getattr(a, f) is not False]
+        if pipeline_only:
+            raise DsaError(f"--{pipeline_only[0].replace('_', '-')}", "applies to bundles with the policy's pipeline; "
+                           f"{archive.name} holds the network only", "build the bundle with processors "
+                           "(docs/policy-pipeline.md)")
         stage = bundle.select_target(a.target)
         if bundle.is_multi_target:
             skipped = bundle.targets[:bundle.targets.index(bundle.selected)]
@@ -184,6 +208,101 @@ def main(argv: Optional[List[str]] = None) -> None:
                   " (the first of the bundle's targets this machine runs" +
                   "".join(f"; {t}: {why[t]}" for t in skipped) + ")"))
         _run(a, stage.index_path)
+
+
+def load_raw_episode(path: Path, spec: dict) -> dict:
+    """Raw observation arrays (.npz) for a policy pipeline: each member one of the pipeline's observation keys,
+    of its dtype and shape, or with a leading step axis (an episode); checked before anything is decompressed."""
+    import stat
+    import zipfile
+
+    where = str(path)
+    try:
+        info = path.stat()
+    except OSError as e:
+        raise DsaError(where, f"cannot be read: {e.strerror}", "pass an existing .npz file") from None
+    if not stat.S_ISREG(info.st_mode) or path.suffix != ".npz":
+        raise DsaError(where, "is not an .npz file", "write the raw observation with numpy.savez")
+    wanted = {k: v for k, v in spec["observation"].items() if k != "task"}
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise DsaError(where, f"is not a readable .npz archive: {e}", "write it with numpy.savez") from None
+    values = {}
+    with archive:
+        members = [(m.filename[:-4] if m.filename.endswith(".npy") else m.filename, m) for m in archive.infolist()]
+        for name, member in members:
+            if name not in wanted:
+                raise DsaError(where, f"holds '{name}', which the policy does not observe",
+                               f"the observation keys are: {', '.join(sorted(wanted))}")
+            if member.file_size > MAX_INPUT_BYTES + NPY_HEADER_BYTES:
+                raise DsaError(f"{where}: member '{name}'", f"is {member.file_size} bytes", "pass a shorter episode")
+        for name, member in members:
+            try:
+                with archive.open(member) as f:
+                    values[name] = _read_npy(f, MAX_INPUT_BYTES)
+            except DsaError as e:
+                raise DsaError(f"{where}: member '{name}'", e.message, e.hint) from None
+    missing = sorted(set(wanted) - set(values))
+    if missing:
+        raise DsaError(where, f"lacks {', '.join(missing)}", f"the policy observes {', '.join(sorted(wanted))}")
+    return values
+
+
+def _run_policy_pipeline(a: argparse.Namespace, archive: Path) -> None:
+    """`dsa run` of a bundle with the policy's pipeline: raw observations (one, or an episode) → raw actions."""
+    import time
+
+    from dsa.runtime.deploy import load
+
+    if a.index or a.prompt_len is not None or a.steps is not None:
+        raise DsaError("--prompt-len/--steps", "do not apply to a policy pipeline: its preprocessor sizes the prompt "
+                       "and the manifest's flow_steps is its step count", "leave them out")
+    with load(archive, a.target, allow_nonfinite=a.allow_nonfinite, seed=a.seed,
+              temporal_ensemble_coeff=a.temporal_ensemble_coeff) as policy:
+        pipe = policy.pipeline
+        spec = pipe.spec
+        keys = {k: v for k, v in spec["observation"].items() if k != "task"}
+        if a.observation:
+            values = load_raw_episode(Path(a.observation), spec)
+            first = next(iter(keys))
+            episode = values[first].ndim == len(keys[first]["shape"]) + 1
+            steps = values[first].shape[0] if episode else 1
+            observations = [{k: (v[i] if episode else v) for k, v in values.items()} for i in range(steps)]
+        else:
+            rng = np.random.default_rng(a.seed)
+            steps = 2 * pipe.n_action_steps
+            observations = [{k: (rng.integers(0, 256, size=v["shape"], dtype=np.uint8) if v["dtype"] == "uint8"
+                                 else rng.normal(size=v["shape"]).astype(np.float32)) for k, v in keys.items()}
+                            for _ in range(steps)]
+        task = a.task if a.task is not None else ("pick up the cube" if "task" in spec["observation"] else None)
+        nodes = ", ".join(f"{n['name']} ({n['implementation']})" for n in spec["nodes"])
+        print(f"policy pipeline of {spec['model_id']} ({spec['policy_type']}): {nodes}")
+        policy.reset()
+        actions, per_step, timings = [], [], []
+        for obs in observations:
+            start = time.perf_counter()
+            actions.append(policy.select_action(obs, task=task))
+            per_step.append((time.perf_counter() - start) * 1e3)
+            timings.append(dict(pipe.timings))
+        actions = np.stack(actions)
+        p50, p90 = np.percentile(per_step, [50, 90])
+        print(f"{len(observations)} control steps{' (task: ' + repr(task) + ')' if task else ''}: raw actions "
+              f"{tuple(actions.shape)}; step latency p50 {p50:.2f} ms, p90 {p90:.2f} ms")
+        print(f"  first action: {np.array2string(actions[0], precision=3)}")
+        if a.profile:
+            order = [n["name"] for n in spec["nodes"]]
+            names = sorted({n for t in timings for n in t}, key=lambda n: order.index(n) if n in order else -1)
+            width = max(len(n) for n in names)
+            print(f"  {'node':<{width}s}  mean ms/step   p90 ms  steps run")
+            for name in names:
+                values = [t.get(name, 0.0) * 1e3 for t in timings]
+                ran = sum(1 for t in timings if name in t)
+                print(f"  {name:<{width}s} {np.mean(values):12.3f} {np.percentile(values, 90):8.3f}  {ran}/{len(timings)}")
+        if a.out:
+            out = Path(a.out)
+            np.save(out, actions)
+            print(f"wrote {out}")
 
 
 def _run(a: argparse.Namespace, index: Path) -> None:

@@ -26,6 +26,10 @@ moves them by O(1).
 """
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -107,6 +111,22 @@ def _episode(spec, steps, seed):
     return observations
 
 
+def _lerobot_episode(name, spec, observations, tasks, **overrides):
+    """LeRobot's own control loop over the episode: raw actions [steps, action dim]."""
+    from lerobot.utils.control_utils import predict_action
+
+    policy, pre, post = _lerobot(name, **overrides)
+    if spec["loop"]["noise"] is not None:
+        _same_noise(policy, spec["loop"]["noise"]["shape"])
+    policy.reset()
+    actions = []
+    for obs, task in zip(observations, tasks):
+        with torch.no_grad():
+            actions.append(predict_action(copy.deepcopy(obs), policy, torch.device("cpu"), pre, post,
+                                          use_amp=False, task=task, robot_type=None).numpy().reshape(-1))
+    return np.stack(actions)
+
+
 def _run_both(name, tolerance, steps=None, **overrides):
     from lerobot.utils.control_utils import predict_action
 
@@ -166,3 +186,35 @@ def test_a_tokenising_policy_refuses_an_observation_without_its_task_text():
         obs = _episode(ours.pipeline.spec, 1, seed=0)[0]
         with pytest.raises(DsaError, match="task.*tokenises"):
             ours.select_action(obs)
+
+
+RUNTIME_PYTHON = runfile("../dsa_runtime_python/bin/python3")
+
+
+@pytest.mark.parametrize("name", ["diffusion", "pi05"])
+def test_dsa_run_in_the_torch_free_environment_gives_lerobots_episode(name, tmp_path):
+    """`dsa run BUNDLE --observation episode.npz` in @dsa_runtime_python (IREE's runtime, numpy, tokenizers:
+    //tests/runtime:torch_free_test checks it holds nothing else) against LeRobot's loop here."""
+    bundle = runfile(f"models/{name}_pipeline_bundle.tar")
+    with dsa.runtime.load(bundle) as ours:
+        spec = ours.pipeline.spec
+        n = 2 * ours.pipeline.n_action_steps + 1
+    observations = _episode(spec, n, seed=5)
+    task = TASKS[0] if "task" in spec["observation"] else None
+    episode = tmp_path / "episode.npz"
+    np.savez(episode, **{k: np.stack([o[k] for o in observations]) for k in observations[0]})
+    out = tmp_path / "actions.npy"
+    sources = [p for p in sys.path if (Path(p) / "dsa" / "runtime" / "run.py").is_file()]
+    command = [str(RUNTIME_PYTHON), "-m", "dsa.runtime.run", "--bundle", str(bundle), "--observation", str(episode),
+               "--seed", str(SEED), "--out", str(out), "--profile"] + (["--task", task] if task else [])
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sources), PYTHONNOUSERSITE="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"{n} control steps" in proc.stdout
+    for node in ("prepare_observation", "network", "postprocessor[0] unnormalizer_processor"):
+        assert node in proc.stdout, proc.stdout
+    mine = np.load(out)
+    theirs = _lerobot_episode(name, spec, observations, [task] * n)
+    assert mine.shape == theirs.shape
+    err = float(np.abs(mine - theirs).max())
+    assert err <= POLICIES[name] * max(1.0, float(np.abs(theirs).max())), err

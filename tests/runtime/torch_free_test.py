@@ -1,7 +1,9 @@
-"""A release bundle runs where only IREE's runtime and numpy are installed (@dsa_runtime_python): the
-deployment API keeps LeRobot's action queue (`select_action` runs the module once per n_action_steps calls and
-returns the chunk's actions in order; `reset` empties it), gives the build tree's actions, and refuses a
-tampered bundle; `dsa run BUNDLE` works there too. Nothing here may import torch."""
+"""A release bundle runs where only IREE's runtime, numpy and tokenizers are installed (@dsa_runtime_python):
+the deployment API keeps LeRobot's action queue (`select_action` runs the module once per n_action_steps calls
+and returns the chunk's actions in order; `reset` empties it), gives the build tree's actions, and refuses a
+tampered bundle; `dsa run BUNDLE` works there too; a whole-pipeline bundle takes raw frames and task text.
+Nothing here may import torch (or transformers): //tests/runtime:policy_pipeline_test runs `dsa run` of
+pipeline bundles in this environment against LeRobot's own loop."""
 
 import importlib.metadata
 import importlib.util
@@ -23,6 +25,7 @@ BUNDLE = runfile("models/pi0_bundle.tar")
 FLEET = runfile("models/pi0_fleet_bundle.tar")
 INDEX = runfile("models/pi0.modules.json")
 LOCK = runfile("requirements_runtime_lock.txt")
+PIPELINE = runfile("models/pi05_pipeline_bundle.tar")
 
 
 def _canon(name):
@@ -33,7 +36,8 @@ def test_the_environment_holds_the_runtime_lock_and_nothing_else():
     pinned = {_canon(line.split("==")[0]) for line in LOCK.read_text().splitlines() if "==" in line}
     installed = {_canon(d.metadata["Name"]) for d in importlib.metadata.distributions()} - {"pip", "setuptools"}
     assert installed == pinned
-    for absent in ("torch", "yaml", "jsonschema", "safetensors", "iree.compiler"):
+    for absent in ("torch", "transformers", "huggingface_hub", "yaml", "jsonschema", "safetensors",
+                   "iree.compiler"):
         assert importlib.util.find_spec(absent) is None, absent
 
 
@@ -100,3 +104,22 @@ def test_dsa_run_runs_the_bundle_here():
     assert proc.returncode == 0, proc.stderr
     assert "action chunk (1, " in proc.stdout
     assert "torch" not in sys.modules
+
+
+def test_a_pipeline_bundle_takes_raw_frames_state_and_task_text_here():
+    rng = np.random.default_rng(3)
+    with dsa.runtime.load(PIPELINE, seed=3) as policy:
+        spec = policy.pipeline.spec
+        obs = {k: rng.integers(0, 256, size=v["shape"], dtype=np.uint8) if v["dtype"] == "uint8"
+               else rng.normal(size=v["shape"]).astype(np.float32)
+               for k, v in spec["observation"].items() if k != "task"}
+        steps = policy.pipeline.n_action_steps + 1  # the queue empties and the network runs again
+        first = [policy.select_action(obs, task="open the top drawer") for _ in range(steps)]
+        policy.reset()  # the noise restarts from the seed: the same episode again
+        again = [policy.select_action(obs, task="open the top drawer") for _ in range(steps)]
+        policy.reset()
+        other_task = policy.select_action(obs, task="fold the towel in half")
+    assert first[0].shape == tuple(spec["action"]["shape"]) and first[0].dtype == np.float32
+    np.testing.assert_array_equal(np.stack(first), np.stack(again))
+    assert not np.array_equal(first[0], other_task)  # the prompt reaches the network
+    assert "tokenizers" in sys.modules and "torch" not in sys.modules and "transformers" not in sys.modules
