@@ -12,6 +12,10 @@ Both bundles are verified first (as `dsa run --bundle` does). The report has thr
 * artifacts: what the build made and the bundle ships: the parameter archive, each vmfb, export record and
   compile report (with size, dispatch count and exported op count where they changed), the runtime view and
   the module index; `intermediates` (manifest views, MLIR digests from the lock) are in --json only.
+* pipeline (bundles with the policy's whole pipeline, docs/policy-pipeline.md): each pipeline node whose inputs
+  changed, by name — a normalisation step's statistics, the tokenizer, a processor file's configuration, the
+  network's modules — with the digests of what it reads; nodes added or removed. The processor files are
+  inputs the bundle copies, so they are reported here, not among the artifacts.
 * suspicious: an artifact that changed although nothing it is built from did — in particular any artifact
   change while no input changed at all. Same inputs must give the same bytes; this is a non-deterministic
   tool or an input the lock does not record.
@@ -94,6 +98,57 @@ def _manifest(bundle: OpenedBundle) -> dict:
     from dsa.manifest.contract import load_manifest
 
     return load_manifest(bundle.manifest_path)
+
+
+def _pipeline_nodes(bundle: OpenedBundle) -> Optional[Dict[str, dict]]:
+    """node name → {implementation, sha256: {file: digest}} of a bundle's policy pipeline, or None."""
+    name = bundle.meta.get("policy_pipeline")
+    if not name:
+        return None
+    spec = json.loads((bundle.root / name).read_text(encoding="utf-8"))
+    nodes = {}
+    for node in spec["nodes"]:
+        digests = {}
+        for key in ("pipeline", "state_file", "tokenizer"):
+            if key in node:
+                digests[node[key]["file"]] = node[key]["sha256"]
+        digests.update({f"{m}.vmfb": sha for m, sha in node.get("modules", {}).items()})
+        nodes[node["name"]] = {"implementation": node["implementation"], "sha256": digests}
+    return nodes
+
+
+def _pipeline_files(bundle: OpenedBundle) -> set:
+    """The files a policy pipeline bundle copies from its inputs (processor files, config.json)."""
+    nodes = _pipeline_nodes(bundle) or {}
+    files = {f for n in nodes.values() for f in n["sha256"] if not f.endswith(".vmfb")}
+    if nodes:
+        files |= {"policy_config.json"} | {f for f in bundle.meta["files"]
+                                           if f in ("tokenizer_config.json", "special_tokens_map.json")}
+    return files
+
+
+def _pipeline_diff(a: OpenedBundle, b: OpenedBundle) -> Dict[str, Any]:
+    """Each pipeline node whose inputs changed (by the digests it reads), and nodes added or removed."""
+    na, nb = _pipeline_nodes(a), _pipeline_nodes(b)
+    if na is None and nb is None:
+        return {}
+    if na is None or nb is None:
+        return {"kind": {"a": "network only" if na is None else "policy pipeline",
+                         "b": "network only" if nb is None else "policy pipeline"}}
+    out: Dict[str, Any] = {}
+    added = [n for n in nb if n not in na]
+    removed = [n for n in na if n not in nb]
+    changed = {}
+    for name in [n for n in na if n in nb]:
+        da, db = na[name]["sha256"], nb[name]["sha256"]
+        files = {f: {"a": da.get(f, _MISSING), "b": db.get(f, _MISSING)}
+                 for f in sorted(set(da) | set(db)) if da.get(f) != db.get(f)}
+        if files or na[name]["implementation"] != nb[name]["implementation"]:
+            changed[name] = files
+    for key, part in (("changed", changed), ("added", added), ("removed", removed)):
+        if part:
+            out[key] = part
+    return out
 
 
 def _module_facts(report: dict) -> Dict[str, dict]:
@@ -184,7 +239,8 @@ def diff_bundles(a: OpenedBundle, b: OpenedBundle) -> Dict[str, Any]:
     files_a, files_b = a.meta["files"], b.meta["files"]
     facts_a, facts_b = _module_facts(a.build_report), _module_facts(b.build_report)
     artifacts: Dict[str, Any] = {}
-    for name in sorted((set(files_a) | set(files_b)) - _NOT_ARTIFACTS):
+    copied = _pipeline_files(a) | _pipeline_files(b)
+    for name in sorted((set(files_a) | set(files_b)) - _NOT_ARTIFACTS - copied):
         sa, sb = files_a.get(name, {}).get("sha256"), files_b.get(name, {}).get("sha256")
         if sa == sb:
             continue
@@ -212,6 +268,7 @@ def diff_bundles(a: OpenedBundle, b: OpenedBundle) -> Dict[str, Any]:
         "inputs": inputs,
         "intermediates": intermediates,
         "artifacts": artifacts,
+        "pipeline": _pipeline_diff(a, b),
         "suspicious": suspicious,
     }
 
@@ -307,6 +364,17 @@ def format_text(result: Dict[str, Any]) -> str:
     for name, entry in artifacts.items():
         extra = [f"{k} {_ab(entry[k])}" for k in ("size", "dispatch_count", "op_count") if k in entry]
         lines.append(f"  {name}: sha256 {_ab(entry['sha256'])}" + (f" ({', '.join(extra)})" if extra else ""))
+    pipeline = result.get("pipeline") or {}
+    if pipeline:
+        lines.append("pipeline nodes changed:")
+        if "kind" in pipeline:
+            lines.append(f"  bundle kind: {pipeline['kind']['a']} -> {pipeline['kind']['b']}")
+        for node, files in pipeline.get("changed", {}).items():
+            detail = "; ".join(f"{f} sha256 {_ab(c)}" for f, c in files.items())
+            lines.append(f"  {node}: {detail or 'implementation changed'}")
+        for key in ("added", "removed"):
+            for node in pipeline.get(key, []):
+                lines.append(f"  {node}: {key}")
     for message in result["suspicious"]:
         lines.append(f"SUSPICIOUS: {message}")
     return "\n".join(lines) + "\n"
