@@ -10,7 +10,8 @@ from dsa.tools import rules_doc
 from dsa.tools.rules_doc import RulesDocError, cell, render
 from dsa.tools.testing import runfile
 
-RULES = ("dsa_model", "dsa_bucket", "dsa_vmfb", "dsa_target", "dsa_checkpoint", "dsa_lerobot_policy", "dsa_pte",
+RULES = ("dsa_model", "dsa_bucket", "dsa_vmfb", "dsa_target", "dsa_checkpoint", "dsa_lerobot_policy", "dsa_lerobot_processors",
+         "dsa_lerobot_tokenizer", "dsa_pte",
          "dsa_pipeline", "dsa_bundle")
 MACROS = ("dsa_policy", "dsa_policies", "dsa_runner", "dsa_release")
 PROVIDERS = ("DsaModelInfo", "DsaBucketInfo", "DsaModuleInfo", "DsaPipelineInfo", "DsaPteInfo", "DsaTargetInfo")
@@ -69,6 +70,8 @@ def test_every_public_name_of_defs_bzl_has_a_section_of_its_kind(text):
     ("dsa_lerobot_policy", "config", "| `config` | label | mandatory | one file: `.json` | Policy type and config fields (JSON). |"),
     ("dsa_pipeline", "stages", "| `stages` | label_list | mandatory | providers: `DsaModuleInfo` | dsa_vmfb targets, in run order. |"),
     ("dsa_bundle", "module", "| `module` | label | optional, default `None` | providers: `DsaModuleInfo` | A dsa_vmfb (or set `modules` or `pipeline`). |"),
+    ("dsa_bundle", "policy_config", "| `policy_config` | label | optional, default `None` | one file: `.json` | With `processors`: the policy's config.json (the manifest's model.policy_config). |"),
+    ("dsa_lerobot_processors", "policy", "| `policy` | label | mandatory | files | The policy directory (a dsa_lerobot_policy): its config.json. |"),
 ])
 def test_each_rule_documents_a_known_attribute_with_its_type_default_and_doc(text, rule, attribute, row):
     assert row in _section(text, rule).splitlines(), f"{rule}.{attribute}"
