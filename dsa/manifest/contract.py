@@ -663,6 +663,8 @@ def project(
         }
         if "processors" in m:  # only when set, so that manifests without it keep their runtime views' bytes
             result["processors"] = m["processors"]
+            # The pipeline bundle checks the config.json it ships against this pin (and reads no manifest).
+            result["policy_config"] = m["model"].get("policy_config")
     return copy.deepcopy(result)
 
 

@@ -500,13 +500,14 @@ def _add_policy_pipeline(collected, processors: Sequence[Path], policy_config: O
                          payload: Dict[str, Path], generated: Dict[str, bytes]) -> List[dict]:
     """Adds the policy's processor files, config.json and policy_pipeline.json to a single-model bundle; returns
     the pipeline's nodes for the build report (name, implementation, the digests of what each reads)."""
-    from dsa.manifest.contract import load_manifest
     from dsa.runtime.policy_pipeline import describe, pinned_files
 
     stage, c, _ = collected
     if policy_config is None:
         raise DsaError("dsa-bundle create", "--processor needs --policy-config (the policy's config.json)")
-    manifest = load_manifest(stage.manifest)
+    # The runtime view carries the processors' pins (checked against the lock in _collect); the manifest is
+    # not parsed here (the runtime layer reads no YAML).
+    manifest = read_json(stage.runtime_view)
     members = pinned_files(manifest, stage.source or str(stage.manifest), processors, Path(policy_config))
     for name, path in members.items():
         if name in payload or name == POLICY_PIPELINE_JSON:

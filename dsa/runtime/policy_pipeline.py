@@ -63,7 +63,8 @@ def pinned_files(manifest: Mapping[str, Any], manifest_path: str, given: Sequenc
                  policy_config: Path) -> Dict[str, Path]:
     """The processor files of the manifest's `processors`, matched by file name among `given` (the files the
     build passes) and checked against their pins; plus the policy config against model.policy_config.
-    Returns bundle member name → file."""
+    `manifest` is the manifest's runtime view (it carries both); `manifest_path` names the manifest in
+    errors. Returns bundle member name → file."""
     procs = manifest.get("processors")
     if procs is None:
         raise DsaError(f"{manifest_path}: processors", "is missing: the bundle is asked to ship processors the "
@@ -99,7 +100,7 @@ def pinned_files(manifest: Mapping[str, Any], manifest_path: str, given: Sequenc
                            f"sha256 {got}", "these are other processor files (another dataset's statistics?): "
                            "pin the new digest in the manifest if they are the intended ones")
         members[name] = by_name[name]
-    config_pin = manifest["model"].get("policy_config")
+    config_pin = manifest.get("policy_config")
     got = _sha256(policy_config)
     if config_pin is None or got != config_pin["sha256"]:
         raise DsaError(f"{manifest_path}: model.policy_config.sha256", f"does not pin {policy_config} (sha256 {got})",
@@ -112,7 +113,8 @@ def describe(manifest: Mapping[str, Any], manifest_path: str, members: Mapping[s
              records: Mapping[str, dict], module_digests: Mapping[str, str]) -> dict:
     """policy_pipeline.json for the bundle: checks that LeRobot's processor files, the policy's config.json and
     the compiled network agree (features, shapes, n_action_steps) and describes the pipeline's nodes and
-    edges. `records`: module name → export record; `module_digests`: module name → the vmfb's sha256."""
+    edges. `manifest`: the manifest's runtime view; `records`: module name → export record;
+    `module_digests`: module name → the vmfb's sha256."""
     from dsa.runtime.processors import ProcessorPipeline
 
     config = json.loads(Path(members[POLICY_CONFIG_JSON]).read_text(encoding="utf-8"))

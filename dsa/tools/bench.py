@@ -849,6 +849,68 @@ def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: 
     }
 
 
+def pipeline_bundle(root: Path, name: str) -> Optional[Path]:
+    """The policy's whole-pipeline bundle (//models:<name>_pipeline_bundle) in the runfiles, if it is built."""
+    path = root / "models" / f"{name}_pipeline_bundle.tar"
+    return path if path.is_file() else None
+
+
+def bench_end_to_end(policy: Policy, bundle: Path, *, runs: int, warmup: int, threads: int) -> dict:
+    """Raw observation → raw action, one inference step (the action queue empty, so the network runs): the
+    bundle's pipeline in the runtime (dsa.runtime.load: prepare, LeRobot's processors in numpy / tokenizers,
+    the module, the postprocessor) against LeRobot's own loop on the same raw observation
+    (`predict_action`: prepare_observation_for_inference, preprocessor, select_action, postprocessor), each
+    `reset()` first, in alternating rounds."""
+    import copy
+
+    import torch
+
+    import dsa.runtime
+    from dsa.frontends.lerobot import load_pretrained
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot.utils.control_utils import predict_action
+
+    torch.set_num_threads(threads)
+    ours = dsa.runtime.load(bundle)
+    try:
+        spec = ours.pipeline.spec
+        rng = np.random.default_rng(0)
+        obs = {k: rng.integers(0, 256, size=v["shape"], dtype=np.uint8) if v["dtype"] == "uint8"
+               else rng.normal(size=v["shape"]).astype(np.float32)
+               for k, v in spec["observation"].items() if k != "task"}
+        task = "pick up the red cube and place it in the bin" if "task" in spec["observation"] else None
+        theirs = load_pretrained(policy.policy_dir)
+        processors = ours.bundle.root  # the bundle's own processor files (and tokenizer)
+        overrides = ({"tokenizer_processor": {"tokenizer_name": str(processors)}} if task is not None else {})
+        pre, post = make_pre_post_processors(theirs.config, pretrained_path=str(processors),
+                                             preprocessor_overrides=overrides)
+
+        def lerobot_step():
+            theirs.reset()
+            return predict_action(copy.deepcopy(obs), theirs, torch.device("cpu"), pre, post, use_amp=False,
+                                  task=task, robot_type=None)
+
+        def bundle_step():
+            ours.reset()
+            return ours.select_action(obs, task=task)
+
+        with torch.no_grad():
+            timings = measure_interleaved({"lerobot": lerobot_step, "bundle": bundle_step}, warmup=warmup,
+                                          runs=runs)
+        ours.reset()
+        ours.select_action(obs, task=task)
+        nodes = {name: round(s * 1e3, 3) for name, s in ours.pipeline.timings.items()}
+    finally:
+        ours.close()
+    return {
+        "bundle": bundle.name,
+        "lerobot": timings["lerobot"],
+        "bundle_ms": timings["bundle"],
+        "ratio": round(timings["bundle"]["median_ms"] / timings["lerobot"]["median_ms"], 3),
+        "nodes_ms": nodes,
+    }
+
+
 def policy_parameters(index: Path) -> int:
     """The parameter count of a module index's first module (its export record)."""
     from dsa.core.formats import ExportRecord, ModuleIndex
@@ -906,6 +968,13 @@ def run_lerobot_benchmark(root: Path, out: Path, *, models: Optional[Sequence[st
                                wait_s=0 if light else QUIET_WAIT_S)
             if eager_only:
                 row["errors"].update({k: LIGHT_NOTE for k in ("onnxruntime", "torch.compile")})
+            bundle = pipeline_bundle(root, policy.name)
+            if bundle is not None:
+                print(f"dsa-bench: {policy.name} end to end (raw observation → raw action) …", flush=True)
+                try:
+                    row["end_to_end"] = bench_end_to_end(policy, bundle, runs=runs, warmup=warmup, threads=threads)
+                except Exception as e:  # reported, not fatal
+                    row["errors"]["end_to_end"] = _error(e)
             rows.append(row)
     write_json_atomic(out, {"format": RESULTS_FORMAT, "policies": rows})
 
@@ -1028,6 +1097,27 @@ def render_markdown(results: dict) -> str:
                 f"| {_ms(rt.get('vmfb'))} | {_ms(rt.get('onnxruntime'))} | {_ms(rt.get('torch.compile'))} "
                 f"| {g['vs_eager']:.2f} | {ort_ratio} | {r['load']['before']['load']:.1f} → {r['load']['after']:.1f} "
                 f"| {'met' if g['met'] else '**not met**'} |")
+        ends = [r for r in results["policies"] if r.get("end_to_end")]
+        if ends:
+            lines += [
+                "",
+                "### End to end: raw observation → raw action",
+                "",
+                "The whole-pipeline bundle (`//models:<name>_pipeline_bundle`, docs/policy-pipeline.md) run by "
+                "`dsa.runtime.load` — LeRobot's processor steps in numpy (and `tokenizers`), the module, the "
+                "un-normalisation — against LeRobot's own loop (`predict_action`: its preprocessor, "
+                "`select_action`, its postprocessor) on the same raw observation (uint8 camera frames, raw "
+                "state, task text), one inference step each (`reset()` first, so the network runs), in "
+                "alternating rounds. `nodes` is one bundle step's time per pipeline node.",
+                "",
+                "| policy | LeRobot loop | bundle | bundle / LeRobot | nodes (ms) |",
+                "|---|---|---|---|---|",
+            ]
+            for r in ends:
+                e = r["end_to_end"]
+                nodes = ", ".join(f"{n} {v:.2f}" for n, v in e["nodes_ms"].items())
+                lines.append(f"| {r['model']} | {_ms(e['lerobot'])} | {_ms(e['bundle_ms'])} | {e['ratio']:.2f} "
+                             f"| {nodes} |")
         for r in results["policies"]:
             if r.get("errors"):
                 lines.append("")
