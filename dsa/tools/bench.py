@@ -871,7 +871,7 @@ def bench_end_to_end(policy: Policy, bundle: Path, *, runs: int, warmup: int, th
     from lerobot.utils.control_utils import predict_action
 
     torch.set_num_threads(threads)
-    ours = dsa.runtime.load(bundle)
+    ours = dsa.runtime.load(bundle, seed=0)
     try:
         spec = ours.pipeline.spec
         rng = np.random.default_rng(0)
@@ -885,8 +885,23 @@ def bench_end_to_end(policy: Policy, bundle: Path, *, runs: int, warmup: int, th
         pre, post = make_pre_post_processors(theirs.config, pretrained_path=str(processors),
                                              preprocessor_overrides=overrides)
 
+        # The same noise on both sides (the bundle draws from np.random.default_rng(seed), restarted by reset()),
+        # so the two raw actions can be compared.
+        noise = spec["loop"]["noise"]
+        draws = {"rng": np.random.default_rng(0)}
+
+        def draw(*_):
+            return torch.from_numpy(draws["rng"].standard_normal(noise["shape"], dtype=np.float32))
+
+        if noise is not None and theirs.config.type == "diffusion":
+            original = theirs.predict_action_chunk
+            theirs.predict_action_chunk = lambda batch, noise=None: original(batch, noise=draw())
+        elif noise is not None:
+            theirs.model.sample_noise = draw
+
         def lerobot_step():
             theirs.reset()
+            draws["rng"] = np.random.default_rng(0)
             return predict_action(copy.deepcopy(obs), theirs, torch.device("cpu"), pre, post, use_amp=False,
                                   task=task, robot_type=None)
 
@@ -895,17 +910,21 @@ def bench_end_to_end(policy: Policy, bundle: Path, *, runs: int, warmup: int, th
             return ours.select_action(obs, task=task)
 
         with torch.no_grad():
+            ref = lerobot_step().numpy().reshape(-1).astype(np.float64)
+            checks = {"lerobot": parity(ref, ref), "bundle": parity(bundle_step(), ref)}
             timings = measure_interleaved({"lerobot": lerobot_step, "bundle": bundle_step}, warmup=warmup,
                                           runs=runs)
         ours.reset()
         ours.select_action(obs, task=task)
-        nodes = {name: round(s * 1e3, 3) for name, s in ours.pipeline.timings.items()}
+        order = [n["name"] for n in spec["nodes"]]
+        nodes = [[name, round(s * 1e3, 3)] for name, s in sorted(
+            ours.pipeline.timings.items(), key=lambda item: order.index(item[0]) if item[0] in order else -1)]
     finally:
         ours.close()
     return {
         "bundle": bundle.name,
-        "lerobot": timings["lerobot"],
-        "bundle_ms": timings["bundle"],
+        "lerobot": dict(timings["lerobot"], parity=checks["lerobot"]),
+        "bundle_ms": dict(timings["bundle"], parity=checks["bundle"]),
         "ratio": round(timings["bundle"]["median_ms"] / timings["lerobot"]["median_ms"], 3),
         "nodes_ms": nodes,
     }
@@ -1115,7 +1134,7 @@ def render_markdown(results: dict) -> str:
             ]
             for r in ends:
                 e = r["end_to_end"]
-                nodes = ", ".join(f"{n} {v:.2f}" for n, v in e["nodes_ms"].items())
+                nodes = ", ".join(f"{n} {v:.2f}" for n, v in e["nodes_ms"])
                 lines.append(f"| {r['model']} | {_ms(e['lerobot'])} | {_ms(e['bundle_ms'])} | {e['ratio']:.2f} "
                              f"| {nodes} |")
         for r in results["policies"]:

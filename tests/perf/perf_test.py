@@ -271,6 +271,25 @@ def test_markdown_report_has_a_row_per_lerobot_policy_with_load_and_goal():
     assert "act: torch.compile not measured (RuntimeError: x)" in text
 
 
+def test_markdown_report_has_an_end_to_end_line_per_policy_with_a_pipeline_bundle():
+    entry = lambda ms: {"median_ms": ms, "p90_ms": ms * 1.1, "runs": 30, "parity": {"ok": True}}  # noqa: E731
+    row = {"model": "act", "target": "x86_64-v3", "module": "batch_0.vmfb", "bucket": {"batch": 1},
+           "case": "batch=1", "runtimes": {"eager": entry(250.0), "vmfb": entry(200.0)},
+           "goal": {"vs_eager": 0.8, "met": True},
+           "load": {"before": {"load": 0.9, "waited_s": 0.0, "quiet": True}, "after": 1.2}, "errors": {},
+           "end_to_end": {"bundle": "act_pipeline_bundle.tar", "lerobot": entry(260.0),
+                          "bundle_ms": dict(entry(210.0), parity={"ok": False}), "ratio": 0.808,
+                          "nodes_ms": [["prepare_observation", 1.0], ["network", 205.0]]}}
+    text = bench.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
+                                              "python": "3"}, "date": "d", "target": "x86_64-v3", "runs": 30,
+                                  "warmup": 5, "models": [], "policies": [row, dict(row, model="pi05", end_to_end=None)]})
+    assert "### End to end: raw observation → raw action" in text
+    # The bundle's raw action outside the parity bound is marked, the nodes keep the pipeline's order.
+    assert ("| act | 260.00 / 286.00 | 210.00 / 231.00 ✗ | 0.81 | prepare_observation 1.00, network 205.00 |"
+            in text)
+    assert "| pi05 | " not in text.split("### End to end")[1].split("\n\n")[1]
+
+
 def test_a_build_this_machine_cannot_execute_is_a_not_run_row_naming_what_it_lacks(tmp_path):
     spec = dict(V3, name="x86_64-future", host={"arch": "x86_64", "cpu_features": ["dsa_no_cpu_has_this"]})
     (tmp_path / "future.json").write_text(json.dumps(spec))
