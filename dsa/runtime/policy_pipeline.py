@@ -24,7 +24,6 @@ when the preprocessor tokenises); never torch.
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 from dsa.core.errors import DsaError
+from dsa.core.fileio import sha256_file
 
 POLICY_PIPELINE_FORMAT = 1
 POLICY_PIPELINE_JSON = "policy_pipeline.json"
@@ -43,14 +43,6 @@ TOKENIZER_JSON = "tokenizer.json"
 # Inputs of a network that the runtime makes itself (not from the observation).
 NOISE_INPUT = "noise"
 POLICY_TYPES = ("act", "diffusion", "smolvla", "pi0", "pi05")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _is_image(key: str) -> bool:
@@ -72,7 +64,7 @@ def pinned_files(manifest: Mapping[str, Any], manifest_path: str, given: Sequenc
     by_name: Dict[str, Path] = {}
     for path in given:
         path = Path(path)
-        if path.name in by_name and _sha256(by_name[path.name]) != _sha256(path):
+        if path.name in by_name and sha256_file(by_name[path.name]) != sha256_file(path):
             raise DsaError(f"processors: {path.name}", "two different files have this name", "pass one of them")
         by_name[path.name] = path
     entries: List[Tuple[str, Mapping[str, str]]] = [("processors.preprocessor", procs["preprocessor"]),
@@ -94,14 +86,14 @@ def pinned_files(manifest: Mapping[str, Any], manifest_path: str, given: Sequenc
             raise DsaError(f"{manifest_path}: {field}.path", f"'{entry['path']}' is not among the bundle's "
                            f"processor files ({', '.join(sorted(by_name)) or 'none'})",
                            "pass the policy directory's processor files to the bundle (dsa_bundle processors)")
-        got = _sha256(by_name[name])
+        got = sha256_file(by_name[name])
         if got != entry["sha256"]:
             raise DsaError(f"{manifest_path}: {field}.sha256", f"pins {entry['sha256']}, but {by_name[name]} has "
                            f"sha256 {got}", "these are other processor files (another dataset's statistics?): "
                            "pin the new digest in the manifest if they are the intended ones")
         members[name] = by_name[name]
     config_pin = manifest.get("policy_config")
-    got = _sha256(policy_config)
+    got = sha256_file(policy_config)
     if config_pin is None or got != config_pin["sha256"]:
         raise DsaError(f"{manifest_path}: model.policy_config.sha256", f"does not pin {policy_config} (sha256 {got})",
                        "pass the policy directory's config.json the model was built from")
@@ -138,7 +130,6 @@ def describe(manifest: Mapping[str, Any], manifest_path: str, members: Mapping[s
 
     # The network: the first module's record (every bucket takes the same inputs).
     first = records[sorted(records)[0]]
-    features = {**config.get("input_features", {}), **config.get("output_features", {})}
     n_action_steps = int(config.get("n_action_steps", 1))
     if n_action_steps != int(manifest["n_action_steps"]):
         raise DsaError(f"{manifest_path}: n_action_steps", f"is {manifest['n_action_steps']}, the policy's "
@@ -197,14 +188,14 @@ def describe(manifest: Mapping[str, Any], manifest_path: str, members: Mapping[s
                     "implementation": step["implementation"], "reads": step["reads"], "writes": step["writes"]}
             if step.get("state_file"):
                 node["state_file"] = {"file": step["state_file"],
-                                      "sha256": _sha256(Path(members[step["state_file"]]))}
+                                      "sha256": sha256_file(Path(members[step["state_file"]]))}
             if step["registry_name"] == "tokenizer_processor":
-                node["tokenizer"] = {"file": TOKENIZER_JSON, "sha256": _sha256(Path(members[TOKENIZER_JSON]))}
+                node["tokenizer"] = {"file": TOKENIZER_JSON, "sha256": sha256_file(Path(members[TOKENIZER_JSON]))}
             nodes.append(node)
         return nodes
 
-    pre_file = {"file": PREPROCESSOR_JSON, "sha256": _sha256(Path(members[PREPROCESSOR_JSON]))}
-    post_file = {"file": POSTPROCESSOR_JSON, "sha256": _sha256(Path(members[POSTPROCESSOR_JSON]))}
+    pre_file = {"file": PREPROCESSOR_JSON, "sha256": sha256_file(Path(members[PREPROCESSOR_JSON]))}
+    post_file = {"file": POSTPROCESSOR_JSON, "sha256": sha256_file(Path(members[POSTPROCESSOR_JSON]))}
     nodes: List[dict] = [
         {"name": "observation", "implementation": "input", "writes": sorted(observation)},
         {"name": "prepare_observation", "implementation": "numpy",
@@ -274,7 +265,6 @@ def describe(manifest: Mapping[str, Any], manifest_path: str, members: Mapping[s
         "loop": loop,
         "nodes": nodes,
         "edges": edges,
-        "features": features,
     }
 
 
@@ -341,8 +331,6 @@ class PolicyPipeline:
     def reset(self) -> None:
         """Start of an episode: empties the action queue, the observation history and the ensembler; the noise
         generator restarts from the seed."""
-        from dsa.runtime.processors import TemporalEnsembler  # noqa: F401 (same module as __init__)
-
         self._queue.clear()
         self._history.clear()
         if self.ensembler is not None:

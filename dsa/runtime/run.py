@@ -194,8 +194,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         if bundle.meta.get("policy_pipeline"):
             _run_policy_pipeline(a, archive)
             return
-        pipeline_only = [f for f in ("task", "profile", "out", "temporal_ensemble_coeff") if getattr(a, f) is not None
-                         and getattr(a, f) is not False]
+        pipeline_only = [f for f in ("task", "profile", "out", "temporal_ensemble_coeff")
+                         if getattr(a, f) not in (None, False)]
         if pipeline_only:
             raise DsaError(f"--{pipeline_only[0].replace('_', '-')}", "applies to bundles with the policy's pipeline; "
                            f"{archive.name} holds the network only", "build the bundle with processors "
@@ -255,7 +255,7 @@ def _run_policy_pipeline(a: argparse.Namespace, archive: Path) -> None:
 
     from dsa.runtime.deploy import load
 
-    if a.index or a.prompt_len is not None or a.steps is not None:
+    if a.prompt_len is not None or a.steps is not None:
         raise DsaError("--prompt-len/--steps", "do not apply to a policy pipeline: its preprocessor sizes the prompt "
                        "and the manifest's flow_steps is its step count", "leave them out")
     with load(archive, a.target, allow_nonfinite=a.allow_nonfinite, seed=a.seed,

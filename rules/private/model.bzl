@@ -211,6 +211,18 @@ dsa_lerobot_policy = rule(
     },
 )
 
+# What the LeRobot stand-in rules share: the LeRobot environment (LeRobot, transformers, tokenizers) and the
+# stand-in tool that runs in it.
+_LEROBOT_STAND_IN_ATTRS = dict(TOOL_ATTRS, **dict(ENV_ATTRS, **{
+    "python_env": attr.label(
+        default = Label("@dsa_lerobot_python//:env"),
+        allow_files = True,
+        cfg = "exec",
+        doc = "The dsa_python_env with LeRobot installed.",
+    ),
+    "_processors_tool": attr.label(default = Label("//dsa:lerobot_processors_tool"), executable = True, cfg = "exec"),
+}))
+
 def _dsa_lerobot_processors_impl(ctx):
     out = ctx.actions.declare_directory(ctx.label.name)
     config = [f for f in ctx.files.policy if f.basename == "config.json"]
@@ -248,18 +260,11 @@ dsa_lerobot_processors = rule(
 own `make_pre_post_processors` + `save_pretrained` into the directory `<name>/` (policy_preprocessor.json,
 policy_postprocessor.json, their statistics .safetensors), byte-identical on every machine: stand-ins for the
 files a trained policy directory holds. A dsa_bundle with `processors` ships them (docs/policy-pipeline.md).""",
-    attrs = dict(TOOL_ATTRS, **dict(ENV_ATTRS, **{
+    attrs = dict(_LEROBOT_STAND_IN_ATTRS, **{
         "policy": attr.label(mandatory = True, allow_files = True, doc = "The policy directory (a dsa_lerobot_policy): its config.json."),
         "seed": attr.int(default = 0),
         "tokenizer": attr.label(allow_files = True, doc = "Tokenizer directory files (tokenizer.json + tokenizer_config.json) for SmolVLA, PI0, PI0.5."),
-        "python_env": attr.label(
-            default = Label("@dsa_lerobot_python//:env"),
-            allow_files = True,
-            cfg = "exec",
-            doc = "The dsa_python_env with LeRobot installed.",
-        ),
-        "_processors_tool": attr.label(default = Label("//dsa:lerobot_processors_tool"), executable = True, cfg = "exec"),
-    })),
+    }),
 )
 
 def _dsa_lerobot_tokenizer_impl(ctx):
@@ -287,15 +292,7 @@ dsa_lerobot_tokenizer = rule(
 `special_tokens_map.json`): a BPE tokenizer trained in the build with the `tokenizers` library on a fixed corpus
 of task texts, saved as transformers saves a Hub tokenizer; byte-identical on every machine. For the
 VLAs' processors (dsa_lerobot_processors `tokenizer`), since their real tokenizers cannot be downloaded here.""",
-    attrs = dict(TOOL_ATTRS, **dict(ENV_ATTRS, **{
-        "python_env": attr.label(
-            default = Label("@dsa_lerobot_python//:env"),
-            allow_files = True,
-            cfg = "exec",
-            doc = "The dsa_python_env with tokenizers and transformers installed.",
-        ),
-        "_processors_tool": attr.label(default = Label("//dsa:lerobot_processors_tool"), executable = True, cfg = "exec"),
-    })),
+    attrs = _LEROBOT_STAND_IN_ATTRS,
     outputs = {
         "tokenizer_json": "%{name}/tokenizer.json",
         "tokenizer_config": "%{name}/tokenizer_config.json",
