@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproducible release bundles: two checkouts of this repository at different paths, each built with a
-# Bazel output base of its own (so its own Python environment, execroot and action cache), must give the
+# Bazel output base of its own (so its own execroot and action cache), must give the
 # same sha256s for //models:pi0_bundle and a multi-target bundle of π0: //models:pi0_fleet_bundle (Orin's GPU
 # and CPU, AVX-512 and AVX2 x86: the targets CI also tests) by default, //models:pi0_all_targets_bundle
 # (every target of the rule set: x86, aarch64, riscv64, CUDA, Vulkan, ROCm; ~40 compiles, ~7 more minutes)
@@ -14,7 +14,10 @@
 # The first checkout is this one, built in its own output base (after `bazel test //...` in CI: the bundle
 # is then already there); the second a fresh clone of HEAD elsewhere with a fresh output base. With
 # uncommitted changes to tracked files, this checkout is not HEAD, so both are fresh clones of HEAD.
-# A fresh output base creates the Python environment (~3 min) and builds π0 (~1 min).
+# A fresh output base links the Python environment from the machine's store (toolchains/python/envstore.py:
+# seconds, it is the one this checkout's build installed) and builds π0 (~1 min). With --all-targets the second
+# checkout installs its own from the lock, in a store of its own (~3 min more): the environment is then made
+# anew as well.
 # Different checkout paths (and directory names), different output bases.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,6 +30,10 @@ esac
 bundles=(pi0_bundle "$multi")
 targets=(//models:pi0_bundle "//models:$multi")
 work=$(mktemp -d "${TMPDIR:-/tmp}/dsa-bundle-repro.XXXXXX")
+second_env=()
+if [ "$multi" = pi0_all_targets_bundle ]; then
+    second_env=(env "DSA_ENV_STORE=$work/env-store")
+fi
 # Different checkout paths (and directory names), different output bases.
 checkouts=("$work/first/rules_dsa" "$work/second/elsewhere/checkout")
 bases=("$work/first/output_base" "$work/second/ob")
@@ -62,7 +69,9 @@ for i in 0 1; do
     fi
     echo "repro: building ${targets[*]} in $checkout (output base ${bases[$i]})"
     start=$(date +%s)
-    (cd "$checkout" && ./bazelw --output_base="${bases[$i]}" build "${targets[@]}")
+    prefix=()
+    [ "$i" = 1 ] && prefix=(${second_env[@]+"${second_env[@]}"})
+    (cd "$checkout" && ${prefix[@]+"${prefix[@]}"} ./bazelw --output_base="${bases[$i]}" build "${targets[@]}")
     echo "repro: built in $(($(date +%s) - start)) s"
     # Keep the bundles (for `dsa diff`), then free this output base before the next one is made: one
     # Python environment and build tree on disk at a time.

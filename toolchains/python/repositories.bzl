@@ -102,6 +102,30 @@ def _find_python(rctx):
         ))
     return probe[0]
 
+def _store_dir(rctx):
+    """Where installed environments are kept for every output base on this machine: DSA_ENV_STORE, else
+    $XDG_CACHE_HOME/rules_dsa/python-envs (~/.cache/...); DSA_ENV_STORE=off installs into the output base."""
+    env = rctx.os.environ
+    store = env.get("DSA_ENV_STORE", "")
+    if store == "off":
+        return None
+    if store:
+        return store
+    cache = env.get("XDG_CACHE_HOME", "") or (env.get("HOME", "") + "/.cache" if env.get("HOME") else "")
+    return cache + "/rules_dsa/python-envs" if cache else None
+
+def _pip_failed(rctx, result):
+    fail(("dsa_python_env(name = \"{}\"): pip could not install the lock file {} " +
+          "(exit {}); pip's output follows. Each line must pin name==version with " +
+          "--hash=sha256:...; if the lock is stale, regenerate it with " +
+          "toolchains/python/update_lock.sh.\n{}\n{}").format(
+        rctx.name,
+        rctx.attr.lock,
+        result.return_code,
+        result.stdout,
+        result.stderr,
+    ))
+
 def _dsa_python_env_impl(rctx):
     lock = rctx.path(rctx.attr.lock)
 
@@ -109,40 +133,47 @@ def _dsa_python_env_impl(rctx):
     rctx.read(lock)
     python = _find_python(rctx)
 
-    rctx.report_progress("creating venv with " + python)
-    _run(rctx, [python, "-m", "venv", "venv"], "creating the venv")
-
-    # The machine's pip configuration (index, find-links) applies as is.
-    rctx.report_progress("installing " + str(rctx.attr.lock))
     pip_env = {"PYTHONNOUSERSITE": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    result = rctx.execute(
-        [
-            "venv/bin/python",
-            "-m",
-            "pip",
-            "install",
-            "--no-input",
-            "--require-hashes",
-            "--no-deps",
-            "--only-binary=:all:",
-            "-r",
-            lock,
-        ] + rctx.attr.extra_pip_args,
-        timeout = 3600,
-        environment = pip_env,
-        quiet = True,
-    )
-    if result.return_code != 0:
-        fail(("dsa_python_env(name = \"{}\"): pip could not install the lock file {} " +
-              "(exit {}); pip's output follows. Each line must pin name==version with " +
-              "--hash=sha256:...; if the lock is stale, regenerate it with " +
-              "toolchains/python/update_lock.sh.\n{}\n{}").format(
-            rctx.name,
-            rctx.attr.lock,
-            result.return_code,
-            result.stdout,
-            result.stderr,
-        ))
+    store = _store_dir(rctx)
+    if store:
+        # The machine's store (envstore.py): installed once per lock and interpreter, linked here, so a second
+        # output base (another checkout, a clean clone) takes the same venv in seconds.
+        rctx.report_progress("venv for " + str(rctx.attr.lock) + " (store " + store + ")")
+        result = rctx.execute(
+            [python, rctx.path(Label("//toolchains/python:envstore.py")), "--store", store, "--lock", lock] +
+            ["--pip-arg=" + a for a in rctx.attr.extra_pip_args],
+            timeout = 3600,
+            environment = pip_env,
+            quiet = True,
+        )
+        if result.return_code != 0:
+            _pip_failed(rctx, result)
+        rctx.symlink(result.stdout.strip().splitlines()[-1], "venv")
+    else:
+        rctx.report_progress("creating venv with " + python)
+        _run(rctx, [python, "-m", "venv", "venv"], "creating the venv")
+
+        # The machine's pip configuration (index, find-links) applies as is.
+        rctx.report_progress("installing " + str(rctx.attr.lock))
+        result = rctx.execute(
+            [
+                "venv/bin/python",
+                "-m",
+                "pip",
+                "install",
+                "--no-input",
+                "--require-hashes",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-r",
+                lock,
+            ] + rctx.attr.extra_pip_args,
+            timeout = 3600,
+            environment = pip_env,
+            quiet = True,
+        )
+        if result.return_code != 0:
+            _pip_failed(rctx, result)
 
     identity = _run(
         rctx,
@@ -174,5 +205,5 @@ dsa_python_env = repository_rule(
             doc = "Extra arguments for `pip install`, e.g. an --extra-index-url.",
         ),
     },
-    environ = ["DSA_PYTHON"],
+    environ = ["DSA_PYTHON", "DSA_ENV_STORE", "XDG_CACHE_HOME", "HOME"],
 )

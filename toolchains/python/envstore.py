@@ -1,0 +1,85 @@
+"""The machine's store of installed Python environments, shared by every output base (dsa_python_env).
+
+Each fresh Bazel output base (a second checkout, a worktree, a CI check that builds in a clean clone) used to
+pip-install the same hashed lock again: minutes each. An environment is fully determined by its lock (every
+package pinned with its sha256), the interpreter it is made from and pip's extra arguments, so this script
+keys a venv by exactly those and installs it once per machine; the repository rule links its `venv` to it.
+Nothing an action sees changes: the identity.json written from the venv is the same, and the interpreter
+wrapper finds the venv through the link.
+
+    python3.11 envstore.py --store DIR --lock LOCK [--pip-arg ARG ...]
+
+prints the ready venv's path on its last line. An entry is used only once complete (a marker written after
+pip succeeded); a half-made one (an interrupted install) is removed and made again. Concurrent callers (two
+output bases set up at once) wait for each other on a file lock. Entries are never modified once complete,
+so deleting the store (or an entry: `<store>/<key>`) is always safe between builds; the next build installs
+again. Standard library only: it runs before anything is installed.
+"""
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+FORMAT = 1
+COMPLETE = "complete.json"
+
+
+def entry_key(lock_bytes: bytes, python: str, python_version: str, pip_args: list) -> str:
+    """What the venv is made of, as a digest: the lock's bytes, the interpreter (resolved path and version),
+    pip's extra arguments and this store's format."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"format": FORMAT, "python": python, "python_version": python_version,
+                         "pip_args": pip_args}, sort_keys=True).encode())
+    h.update(b"\0")
+    h.update(lock_bytes)
+    return h.hexdigest()[:32]
+
+
+def ensure(store: str, lock: str, pip_args: list, python: str = sys.executable) -> str:
+    with open(lock, "rb") as f:
+        lock_bytes = f.read()
+    real_python = os.path.realpath(python)
+    version = ".".join(map(str, sys.version_info[:3]))
+    key = entry_key(lock_bytes, real_python, version, pip_args)
+    os.makedirs(store, exist_ok=True)
+    entry = os.path.join(store, key)
+    venv = os.path.join(entry, "venv")
+    with open(os.path.join(store, key + ".lock"), "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if os.path.isfile(os.path.join(entry, COMPLETE)) and os.path.exists(os.path.join(venv, "bin", "python3")):
+            print(f"envstore: using {entry}", file=sys.stderr)
+            return venv
+        if os.path.lexists(entry):  # an install that did not finish
+            shutil.rmtree(entry, ignore_errors=True)
+        os.makedirs(entry)
+        subprocess.run([real_python, "-m", "venv", venv], check=True)
+        env = dict(os.environ, PYTHONNOUSERSITE="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+        proc = subprocess.run(
+            [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--no-input", "--require-hashes",
+             "--no-deps", "--only-binary=:all:", "-r", lock, *pip_args], env=env, stdout=sys.stderr)
+        if proc.returncode != 0:
+            shutil.rmtree(entry, ignore_errors=True)
+            sys.exit(proc.returncode)
+        with open(os.path.join(entry, COMPLETE), "w") as f:
+            json.dump({"format": FORMAT, "lock_sha256": hashlib.sha256(lock_bytes).hexdigest(),
+                       "python": real_python, "python_version": version, "pip_args": pip_args}, f, indent=2)
+            f.write("\n")
+        return venv
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--lock", required=True)
+    parser.add_argument("--pip-arg", action="append", default=[])
+    a = parser.parse_args()
+    print(ensure(os.path.abspath(a.store), os.path.abspath(a.lock), a.pip_arg))
+
+
+if __name__ == "__main__":
+    main()
