@@ -127,6 +127,14 @@ def describe(manifest: Mapping[str, Any], manifest_path: str, members: Mapping[s
     if extra:
         raise DsaError(f"{manifest_path}: processors", f"pins {', '.join(extra)}, which no processor step reads",
                        "remove it, or pin the processor files that read it")
+    uncovered = pre.uncovered_features() + post.uncovered_features()
+    if uncovered:
+        node, key, mode = uncovered[0]
+        raise DsaError(f"{manifest_path}: processors: {node}",
+                       f"normalises {key!r} ({mode}) but its statistics file has no {key!r} entry; LeRobot would "
+                       f"pass it through un-normalised" + (f" (and {len(uncovered) - 1} more)" if len(uncovered) > 1 else ""),
+                       "save the processors with the dataset's statistics for every feature (or map its type to "
+                       "IDENTITY in norm_map)")
 
     # The network: the first module's record (every bucket takes the same inputs).
     first = records[sorted(records)[0]]

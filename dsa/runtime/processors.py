@@ -282,6 +282,14 @@ class _Normalize(_Step):
             t["action"] = self._apply(t["action"], ACTION, "ACTION")
         return t
 
+    def uncovered(self) -> List[Tuple[str, str]]:
+        """(feature, mode) for each feature this step transforms at inference (the observation's before the
+        network, the action's after it) whose mode is not IDENTITY but which has no statistics: LeRobot passes
+        such a feature through unchanged, without a word."""
+        keys = [ACTION] if self.inverse else self.obs_keys
+        modes = [(k, self.norm_map.get("ACTION" if k == ACTION else self.features[k], "IDENTITY")) for k in keys]
+        return [(k, m) for k, m in modes if m != "IDENTITY" and k not in self.stats]
+
     def _apply(self, value, key: str, ftype: str):
         mode = self.norm_map.get(ftype, "IDENTITY")
         if mode == "IDENTITY" or key not in self.stats:
@@ -640,6 +648,13 @@ class ProcessorPipeline:
     def files(self) -> List[Path]:
         """The state files and tokenizer files this pipeline read."""
         return list(self._files)
+
+    def uncovered_features(self) -> List[Tuple[str, str, str]]:
+        """(node, feature, mode) for each feature a (un)normaliser step would pass through un-normalised for
+        want of statistics (`_Normalize.uncovered`)."""
+        return [(f"{self.json_path.name} step {i} ({self._entries[i].get('registry_name')})", key, mode)
+                for i, step in enumerate(self.steps) if isinstance(step, _Normalize)
+                for key, mode in step.uncovered()]
 
 
 # -- ACT's temporal ensembling ----------------------------------------------------------------------------------

@@ -294,11 +294,14 @@ def _run_policy_pipeline(a: argparse.Namespace, archive: Path) -> None:
             order = [n["name"] for n in spec["nodes"]]
             names = sorted({n for t in timings for n in t}, key=lambda n: order.index(n) if n in order else -1)
             width = max(len(n) for n in names)
-            print(f"  {'node':<{width}s}  mean ms/step   p90 ms  steps run")
+            # Per control step (a node that runs every few steps, like the network behind an action queue, is
+            # averaged over all of them) and per run of the node (the steps where it ran).
+            print(f"  {'node':<{width}s}  mean ms/step   p90 ms  mean ms/run  steps run")
             for name in names:
                 values = [t.get(name, 0.0) * 1e3 for t in timings]
-                ran = sum(1 for t in timings if name in t)
-                print(f"  {name:<{width}s} {np.mean(values):12.3f} {np.percentile(values, 90):8.3f}  {ran}/{len(timings)}")
+                ran = [t[name] * 1e3 for t in timings if name in t]
+                print(f"  {name:<{width}s} {np.mean(values):12.3f} {np.percentile(values, 90):8.3f} "
+                      f"{np.mean(ran) if ran else 0.0:12.3f}  {len(ran)}/{len(timings)}")
         if a.out:
             out = Path(a.out)
             np.save(out, actions)

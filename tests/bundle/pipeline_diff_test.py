@@ -98,3 +98,16 @@ def test_dsa_diff_names_the_normalisation_nodes_whose_statistics_changed(opened,
 def test_statistics_the_manifest_does_not_pin_are_refused_naming_the_field(opened, other_dataset, tmp_path):
     with pytest.raises(DsaError, match=r"processors.preprocessor.sha256|processors.files\[\d\].sha256"):
         _rebuild(opened, tmp_path, other_dataset, pin=False)
+
+
+def test_statistics_missing_a_normalised_feature_are_refused_naming_step_and_feature(opened, other_dataset,
+                                                                                     tmp_path):
+    # LeRobot would run this policy with its camera frames un-normalised (a feature without statistics passes
+    # through unchanged): the bundle refuses it, naming the processor step and the feature.
+    camera = [k for k in other_dataset if k.startswith("observation.images.")]
+    assert camera
+    partial = {k: v for k, v in other_dataset.items() if k not in camera}
+    feature = camera[0].rsplit(".", 1)[0]
+    with pytest.raises(DsaError, match=rf"policy_preprocessor.json step 3 \(normalizer_processor\).*normalises "
+                                       rf"'{feature}' \(MEAN_STD\) but its statistics file has no"):
+        _rebuild(opened, tmp_path, partial)

@@ -198,7 +198,8 @@ def test_dsa_run_in_the_torch_free_environment_gives_lerobots_episode(name, tmp_
     bundle = runfile(f"models/{name}_pipeline_bundle.tar")
     with dsa.runtime.load(bundle) as ours:
         spec = ours.pipeline.spec
-        n = 2 * ours.pipeline.n_action_steps + 1
+        k = ours.pipeline.n_action_steps
+        n = 2 * k + 1
     observations = _episode(spec, n, seed=5)
     task = TASKS[0] if "task" in spec["observation"] else None
     episode = tmp_path / "episode.npz"
@@ -213,6 +214,9 @@ def test_dsa_run_in_the_torch_free_environment_gives_lerobots_episode(name, tmp_
     assert f"{n} control steps" in proc.stdout
     for node in ("prepare_observation", "network", "postprocessor[0] unnormalizer_processor"):
         assert node in proc.stdout, proc.stdout
+    # The profile's last column counts the steps a node ran in: the network once per chunk of k actions.
+    network = next(line.split() for line in proc.stdout.splitlines() if line.split()[:1] == ["network"])
+    assert network[-1] == f"{-(-n // k)}/{n}", proc.stdout
     mine = np.load(out)
     theirs = _lerobot_episode(name, spec, observations, [task] * n)
     assert mine.shape == theirs.shape

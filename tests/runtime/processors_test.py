@@ -315,6 +315,21 @@ def test_stats_lacking_the_modes_pair_are_refused_as_lerobot_refuses_them(tmp_pa
         np_pre(prepare_observation(_raw(), task="x"))
 
 
+def test_features_a_step_would_pass_through_for_want_of_stats_are_reported_by_file_step_and_mode(tmp_path):
+    # ACT: VISUAL, STATE and ACTION all MEAN_STD. Stats for the state only: LeRobot silently leaves the camera
+    # un-normalised and the action un-un-normalised; the bundle refuses what uncovered_features reports.
+    stats = {STATE: {"mean": np.zeros(D, np.float32), "std": np.ones(D, np.float32)}}
+    pre, post = make_pre_post_processors(_config("act"), dataset_stats=stats)
+    np_pre, np_post = _load_numpy(_save(pre, post, tmp_path))
+    assert np_pre.uncovered_features() == [
+        ("policy_preprocessor.json step 3 (normalizer_processor)", CAMERA, "MEAN_STD")]
+    assert np_post.uncovered_features() == [
+        ("policy_postprocessor.json step 0 (unnormalizer_processor)", ACTION, "MEAN_STD")]
+    full_pre, full_post = _load_numpy(_save(*make_pre_post_processors(_config("act"), dataset_stats=_stats()),
+                                            tmp_path / "full"))
+    assert full_pre.uncovered_features() == full_post.uncovered_features() == []
+
+
 # -- describe / files ------------------------------------------------------------------------------------------
 
 def test_describe_and_files_report_each_step_its_keys_and_the_files_read(offline_tokenizer, tmp_path):
