@@ -186,23 +186,28 @@ def _dsa_lerobot_policy_impl(ctx):
         runfiles = ctx.runfiles(files = [out_config, out_weights]),
     )]
 
+# What the rules that run LeRobot itself share: the tools and the LeRobot environment (LeRobot, transformers,
+# tokenizers) as their default `python_env`.
+_LEROBOT_ENV_ATTRS = dict(TOOL_ATTRS, **{
+    "python_env": attr.label(
+        default = Label("@dsa_lerobot_python//:env"),
+        allow_files = True,
+        cfg = "exec",
+        doc = "The dsa_python_env with LeRobot installed.",
+    ),
+})
+
 dsa_lerobot_policy = rule(
     implementation = _dsa_lerobot_policy_impl,
     doc = """A LeRobot policy with seeded random weights, saved in LeRobot's own format by LeRobot's own
 `save_pretrained`: `<name>/config.json` and `<name>/model.safetensors`, byte-identical on every machine
 (stand-ins for trained policies, which cannot be downloaded here). `config` is a JSON file: the policy
 `type` (act, diffusion) and the fields of LeRobot's config class for it, features included.""",
-    attrs = dict(TOOL_ATTRS, **dict(ENV_ATTRS, **{
+    attrs = dict(_LEROBOT_ENV_ATTRS, **{
         "config": attr.label(mandatory = True, allow_single_file = [".json"], doc = "Policy type and config fields (JSON)."),
         "seed": attr.int(default = 0),
-        "python_env": attr.label(
-            default = Label("@dsa_lerobot_python//:env"),
-            allow_files = True,
-            cfg = "exec",
-            doc = "The dsa_python_env with LeRobot installed.",
-        ),
         "_lerobot_tool": attr.label(default = Label("//dsa:lerobot_tool"), executable = True, cfg = "exec"),
-    })),
+    }),
     # Predeclared, so that `:<name>/config.json` and `:<name>/model.safetensors` are labels a dsa_model
     # (and a manifest's relative paths) can name.
     outputs = {
@@ -211,17 +216,10 @@ dsa_lerobot_policy = rule(
     },
 )
 
-# What the LeRobot stand-in rules share: the LeRobot environment (LeRobot, transformers, tokenizers) and the
-# stand-in tool that runs in it.
-_LEROBOT_STAND_IN_ATTRS = dict(TOOL_ATTRS, **dict(ENV_ATTRS, **{
-    "python_env": attr.label(
-        default = Label("@dsa_lerobot_python//:env"),
-        allow_files = True,
-        cfg = "exec",
-        doc = "The dsa_python_env with LeRobot installed.",
-    ),
+# What the processor and tokenizer stand-in rules share: the LeRobot environment and the stand-in tool.
+_LEROBOT_STAND_IN_ATTRS = dict(_LEROBOT_ENV_ATTRS, **{
     "_processors_tool": attr.label(default = Label("//dsa:lerobot_processors_tool"), executable = True, cfg = "exec"),
-}))
+})
 
 def _dsa_lerobot_processors_impl(ctx):
     out = ctx.actions.declare_directory(ctx.label.name)

@@ -133,3 +133,14 @@ def test_two_output_bases_set_up_at_once_install_once_and_share_the_venv(tmp_pat
     assert len(venvs) == 1
     assert sum("using" in r.stderr for r in results) == 1  # the second waited for the first's install
     assert _probe(venvs.pop()) == "1.0"
+
+
+def test_with_the_store_off_the_venv_is_installed_where_asked_and_nothing_is_kept(tmp_path):
+    lock = _lock(tmp_path, "1.0")
+    venv = tmp_path / "output-base" / "venv"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    proc = subprocess.run([_base_python(), str(ENVSTORE), "--into", str(venv), "--lock", str(lock)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert _probe(str(venv)) == "1.0"
+    assert not (venv.parent / "complete.json").exists()

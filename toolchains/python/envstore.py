@@ -7,10 +7,11 @@ keys a venv by exactly those and installs it once per machine; the repository ru
 Nothing an action sees changes: the identity.json written from the venv is the same, and the interpreter
 wrapper finds the venv through the link.
 
-    python3.11 envstore.py --store DIR --lock LOCK [--pip-arg ARG ...]
+    python3.11 envstore.py --store DIR --lock LOCK [--pip-arg=ARG ...]   # prints the ready venv's path
+    python3.11 envstore.py --into VENV --lock LOCK [--pip-arg=ARG ...]   # no store: installs at VENV
 
-prints the ready venv's path on its last line. An entry is used only once complete (a marker written after
-pip succeeded); a half-made one (an interrupted install) is removed and made again. Concurrent callers (two
+With --store, the venv's path is printed on the last line. An entry is used only once complete (a marker
+written after pip succeeded); a half-made one (an interrupted install) is removed and made again. Concurrent callers (two
 output bases set up at once) wait for each other on a file lock. Entries are never modified once complete,
 so deleting the store (or an entry: `<store>/<key>`) is always safe between builds; the next build installs
 again. Standard library only: it runs before anything is installed.
@@ -40,10 +41,27 @@ def entry_key(lock_bytes: bytes, python: str, python_version: str, pip_args: lis
     return h.hexdigest()[:32]
 
 
-def ensure(store: str, lock: str, pip_args: list, python: str = sys.executable) -> str:
+def install(venv: str, lock: str, pip_args: list) -> int:
+    """A venv at `venv`, made from this interpreter, with the lock pip-installed (every file hash-checked, no
+    dependency resolution); pip's output goes to stderr. Returns pip's exit status."""
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    env = dict(os.environ, PYTHONNOUSERSITE="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    return subprocess.run(
+        [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--no-input", "--require-hashes", "--no-deps",
+         "--only-binary=:all:", "-r", lock, *pip_args], env=env, stdout=sys.stderr).returncode
+
+
+class InstallFailed(Exception):
+    def __init__(self, status: int):
+        super().__init__(f"pip exited with status {status}")
+        self.status = status
+
+
+def ensure(store: str, lock: str, pip_args: list) -> str:
+    """The store's venv for this lock, interpreter and pip arguments, installed first if it is not there."""
     with open(lock, "rb") as f:
         lock_bytes = f.read()
-    real_python = os.path.realpath(python)
+    real_python = os.path.realpath(sys.executable)
     version = ".".join(map(str, sys.version_info[:3]))
     key = entry_key(lock_bytes, real_python, version, pip_args)
     os.makedirs(store, exist_ok=True)
@@ -57,14 +75,10 @@ def ensure(store: str, lock: str, pip_args: list, python: str = sys.executable) 
         if os.path.lexists(entry):  # an install that did not finish
             shutil.rmtree(entry, ignore_errors=True)
         os.makedirs(entry)
-        subprocess.run([real_python, "-m", "venv", venv], check=True)
-        env = dict(os.environ, PYTHONNOUSERSITE="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
-        proc = subprocess.run(
-            [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--no-input", "--require-hashes",
-             "--no-deps", "--only-binary=:all:", "-r", lock, *pip_args], env=env, stdout=sys.stderr)
-        if proc.returncode != 0:
+        status = install(venv, lock, pip_args)
+        if status != 0:
             shutil.rmtree(entry, ignore_errors=True)
-            sys.exit(proc.returncode)
+            raise InstallFailed(status)
         with open(os.path.join(entry, COMPLETE), "w") as f:
             json.dump({"format": FORMAT, "lock_sha256": hashlib.sha256(lock_bytes).hexdigest(),
                        "python": real_python, "python_version": version, "pip_args": pip_args}, f, indent=2)
@@ -74,11 +88,19 @@ def ensure(store: str, lock: str, pip_args: list, python: str = sys.executable) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--store", required=True)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--store", help="the machine's store: print the venv of this lock, installed once")
+    where.add_argument("--into", help="install a venv at this path, outside any store (DSA_ENV_STORE=off)")
     parser.add_argument("--lock", required=True)
     parser.add_argument("--pip-arg", action="append", default=[])
     a = parser.parse_args()
-    print(ensure(os.path.abspath(a.store), os.path.abspath(a.lock), a.pip_arg))
+    lock = os.path.abspath(a.lock)
+    if a.into:
+        sys.exit(install(os.path.abspath(a.into), lock, a.pip_arg))
+    try:
+        print(ensure(os.path.abspath(a.store), lock, a.pip_arg))
+    except InstallFailed as e:
+        sys.exit(e.status)
 
 
 if __name__ == "__main__":

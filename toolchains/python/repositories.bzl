@@ -114,18 +114,6 @@ def _store_dir(rctx):
     cache = env.get("XDG_CACHE_HOME", "") or (env.get("HOME", "") + "/.cache" if env.get("HOME") else "")
     return cache + "/rules_dsa/python-envs" if cache else None
 
-def _pip_failed(rctx, result):
-    fail(("dsa_python_env(name = \"{}\"): pip could not install the lock file {} " +
-          "(exit {}); pip's output follows. Each line must pin name==version with " +
-          "--hash=sha256:...; if the lock is stale, regenerate it with " +
-          "toolchains/python/update_lock.sh.\n{}\n{}").format(
-        rctx.name,
-        rctx.attr.lock,
-        result.return_code,
-        result.stdout,
-        result.stderr,
-    ))
-
 def _dsa_python_env_impl(rctx):
     lock = rctx.path(rctx.attr.lock)
 
@@ -133,47 +121,34 @@ def _dsa_python_env_impl(rctx):
     rctx.read(lock)
     python = _find_python(rctx)
 
+    # envstore.py installs the venv (the machine's pip configuration, index and find-links, applies as is):
+    # into the machine's store, installed once per lock and interpreter and linked here, so that a second
+    # output base (another checkout, a clean clone) takes the same venv in seconds; or, with the store off,
+    # right here.
     pip_env = {"PYTHONNOUSERSITE": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     store = _store_dir(rctx)
+    rctx.report_progress("venv for {} ({})".format(rctx.attr.lock, "store " + store if store else "no store"))
+    result = rctx.execute(
+        [python, rctx.path(Label("//toolchains/python:envstore.py")), "--lock", lock] +
+        (["--store", store] if store else ["--into", rctx.path("venv")]) +
+        ["--pip-arg=" + a for a in rctx.attr.extra_pip_args],
+        timeout = 3600,
+        environment = pip_env,
+        quiet = True,
+    )
+    if result.return_code != 0:
+        fail(("dsa_python_env(name = \"{}\"): pip could not install the lock file {} " +
+              "(exit {}); pip's output follows. Each line must pin name==version with " +
+              "--hash=sha256:...; if the lock is stale, regenerate it with " +
+              "toolchains/python/update_lock.sh.\n{}\n{}").format(
+            rctx.name,
+            rctx.attr.lock,
+            result.return_code,
+            result.stdout,
+            result.stderr,
+        ))
     if store:
-        # The machine's store (envstore.py): installed once per lock and interpreter, linked here, so a second
-        # output base (another checkout, a clean clone) takes the same venv in seconds.
-        rctx.report_progress("venv for " + str(rctx.attr.lock) + " (store " + store + ")")
-        result = rctx.execute(
-            [python, rctx.path(Label("//toolchains/python:envstore.py")), "--store", store, "--lock", lock] +
-            ["--pip-arg=" + a for a in rctx.attr.extra_pip_args],
-            timeout = 3600,
-            environment = pip_env,
-            quiet = True,
-        )
-        if result.return_code != 0:
-            _pip_failed(rctx, result)
         rctx.symlink(result.stdout.strip().splitlines()[-1], "venv")
-    else:
-        rctx.report_progress("creating venv with " + python)
-        _run(rctx, [python, "-m", "venv", "venv"], "creating the venv")
-
-        # The machine's pip configuration (index, find-links) applies as is.
-        rctx.report_progress("installing " + str(rctx.attr.lock))
-        result = rctx.execute(
-            [
-                "venv/bin/python",
-                "-m",
-                "pip",
-                "install",
-                "--no-input",
-                "--require-hashes",
-                "--no-deps",
-                "--only-binary=:all:",
-                "-r",
-                lock,
-            ] + rctx.attr.extra_pip_args,
-            timeout = 3600,
-            environment = pip_env,
-            quiet = True,
-        )
-        if result.return_code != 0:
-            _pip_failed(rctx, result)
 
     identity = _run(
         rctx,
