@@ -30,10 +30,6 @@ esac
 bundles=(pi0_bundle "$multi")
 targets=(//models:pi0_bundle "//models:$multi")
 work=$(mktemp -d "${TMPDIR:-/tmp}/dsa-bundle-repro.XXXXXX")
-second_env=()
-if [ "$multi" = pi0_all_targets_bundle ]; then
-    second_env=(env "DSA_ENV_STORE=$work/env-store")
-fi
 # Different checkout paths (and directory names), different output bases.
 checkouts=("$work/first/rules_dsa" "$work/second/elsewhere/checkout")
 bases=("$work/first/output_base" "$work/second/ob")
@@ -69,9 +65,10 @@ for i in 0 1; do
     fi
     echo "repro: building ${targets[*]} in $checkout (output base ${bases[$i]})"
     start=$(date +%s)
-    prefix=()
-    [ "$i" = 1 ] && prefix=(${second_env[@]+"${second_env[@]}"})
-    (cd "$checkout" && ${prefix[@]+"${prefix[@]}"} ./bazelw --output_base="${bases[$i]}" build "${targets[@]}")
+    # --all-targets: the second checkout installs its Python environment anew, into a store of its own.
+    own_store=()
+    [ "$i" = 1 ] && [ "$multi" = pi0_all_targets_bundle ] && own_store=(env "DSA_ENV_STORE=$work/env-store")
+    (cd "$checkout" && "${own_store[@]}" ./bazelw --output_base="${bases[$i]}" build "${targets[@]}")
     echo "repro: built in $(($(date +%s) - start)) s"
     # Keep the bundles (for `dsa diff`), then free this output base before the next one is made: one
     # Python environment and build tree on disk at a time.

@@ -52,10 +52,13 @@ def _lock(tmp: Path, version: str) -> Path:
     return lock
 
 
-def _ensure(store: Path, lock: Path, *pip_args: str) -> subprocess.CompletedProcess:
+def _envstore(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    return subprocess.run([_base_python(), str(ENVSTORE), "--store", str(store), "--lock", str(lock),
-                           *[f"--pip-arg={a}" for a in pip_args]], capture_output=True, text=True, env=env)
+    return subprocess.run([_base_python(), str(ENVSTORE), *args], capture_output=True, text=True, env=env)
+
+
+def _ensure(store: Path, lock: Path, *pip_args: str) -> subprocess.CompletedProcess:
+    return _envstore("--store", str(store), "--lock", str(lock), *[f"--pip-arg={a}" for a in pip_args])
 
 
 def _probe(venv: str) -> str:
@@ -138,9 +141,7 @@ def test_two_output_bases_set_up_at_once_install_once_and_share_the_venv(tmp_pat
 def test_with_the_store_off_the_venv_is_installed_where_asked_and_nothing_is_kept(tmp_path):
     lock = _lock(tmp_path, "1.0")
     venv = tmp_path / "output-base" / "venv"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    proc = subprocess.run([_base_python(), str(ENVSTORE), "--into", str(venv), "--lock", str(lock)],
-                          capture_output=True, text=True, env=env)
+    proc = _envstore("--into", str(venv), "--lock", str(lock))
     assert proc.returncode == 0, proc.stderr
     assert _probe(str(venv)) == "1.0"
     assert not (venv.parent / "complete.json").exists()
