@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, Optional
 
+from dsa.core.determinism import pin_math_libraries
 from dsa.core.errors import DsaError, run_cli
 
 TOKENIZER_VOCAB = 512
@@ -173,6 +174,7 @@ def write_tokenizer(out_dir: Path) -> None:
 
 
 def main(argv=None) -> None:
+    pin_math_libraries()  # before any computation: dsa.core.determinism
     parser = argparse.ArgumentParser(prog="dsa-lerobot-processors", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     procs = sub.add_parser("processors", help="LeRobot's processor pipelines of a policy, seeded statistics")

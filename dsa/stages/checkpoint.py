@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from dsa.core.determinism import pin_math_libraries
 from dsa.core.errors import run_cli
 from dsa.stages.export import NominalDims, load_entry_point
 from dsa.core.fileio import atomic_output, read_json
@@ -60,6 +61,7 @@ def make_checkpoint(view: dict, out: Path, *, seed: int, pythonpath=()) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    pin_math_libraries()  # before any computation: dsa.core.determinism
     parser = argparse.ArgumentParser(prog="dsa-checkpoint", description=__doc__.splitlines()[0])
     parser.add_argument("--view", required=True, help="the manifest's export view (JSON)")
     parser.add_argument("--seed", type=int, default=0)

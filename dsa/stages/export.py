@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 from dsa.stages import importer_fixes
+from dsa.core.determinism import pin_math_libraries
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, sha256_bytes, sha256_file, write_bytes_atomic
 from dsa.core.formats import RECORD_FORMAT, ExportRecord
@@ -599,6 +600,7 @@ class NominalDims(dict):
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    pin_math_libraries()  # before any computation: dsa.core.determinism
     parser = argparse.ArgumentParser(prog="dsa-export", description=__doc__.splitlines()[0])
     parser.add_argument("--view", required=True, help="the manifest's export view (JSON)")
     parser.add_argument("--bucket-view", help="a bucket view (JSON): export with that dim fixed")

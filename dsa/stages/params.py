@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import List, Optional
 
+from dsa.core.determinism import pin_math_libraries
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import atomic_output, read_json, sha256_file
 from dsa.stages.quant import SCALE_SUFFIX, quantize_weight, scale_name, source_of
@@ -212,6 +213,7 @@ def build_params(
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    pin_math_libraries()  # before any computation: dsa.core.determinism
     parser = argparse.ArgumentParser(prog="dsa-params", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--view", required=True, help="the manifest's params view (JSON)")

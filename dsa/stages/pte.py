@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from dsa.core.determinism import pin_math_libraries
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import atomic_output, read_json, sha256_bytes, sha256_file
 from dsa.core.formats import PTE_RECORD_FORMAT, PteRecord
@@ -180,6 +181,7 @@ def _pairs(values: List[str], flag: str) -> Dict[str, Path]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    pin_math_libraries()  # before any computation: dsa.core.determinism
     parser = argparse.ArgumentParser(prog="dsa-pte", description=__doc__.splitlines()[0])
     parser.add_argument("--view", required=True, help="the manifest's export view (JSON)")
     parser.add_argument("--params-view", required=True, help="the manifest's params view (checkpoint pin)")

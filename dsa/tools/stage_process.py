@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, List
 
+from dsa.core.determinism import pin_math_libraries
 from dsa.core.errors import DsaError
 from dsa.tools.measure import run_measured
 
@@ -86,6 +87,7 @@ class StageRunner:
 
 
 def _child_main(call: Path, result: Path) -> int:
+    pin_math_libraries()  # before any computation: dsa.core.determinism
     with open(call, "rb") as f:
         module, name, args, kwargs = pickle.load(f)
     fn = importlib.import_module(module)

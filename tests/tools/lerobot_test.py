@@ -201,10 +201,14 @@ def test_init_seed_changes_the_weights_only(tmp_path):
     assert _sha256(tmp_path / "s0" / "model.safetensors") != _sha256(tmp_path / "s1" / "model.safetensors")
 
 
-def test_cli_init_writes_the_policy_and_reports_bad_fields_with_exit_code_2(tmp_path, capsys):
+def test_cli_init_writes_the_policy_and_reports_bad_fields_with_exit_code_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MKL_CBWR", "AVX2")  # restored after the test
     lerobot.main(["init", "--type", "act", "--config-json", json.dumps(SMALL_ACT), "--seed", "0",
                   "--out-dir", str(tmp_path / "cli")])
     assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == ["config.json", "model.safetensors"]
+    # The stand-in's bytes must not depend on the CPU: MKL's one code path (dsa.core.determinism; PI0/PI0.5's
+    # initialisation rounded differently on Intel and AMD without it).
+    assert os.environ["MKL_CBWR"] == "COMPATIBLE"
     bad = dict(SMALL_ACT, dim_modle=64)
     with pytest.raises(SystemExit) as exit_info:
         run_cli(lambda: lerobot.main(["init", "--type", "act", "--config-json", json.dumps(bad),

@@ -33,6 +33,10 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def mkl_branch():
+    return os.environ.get("MKL_CBWR")
+
+
 def test_a_stage_runs_in_another_process_and_returns_its_result():
     runner = StageRunner()
     result = runner("add", add, 2, 3, scale=10)
@@ -40,6 +44,13 @@ def test_a_stage_runs_in_another_process_and_returns_its_result():
     assert result["pid"] != os.getpid()
     [timing] = runner.timings
     assert timing.stage == "add" and timing.wall_s > 0 and timing.peak_rss_kib > 0
+
+
+def test_a_stage_runs_on_mkls_one_code_path_whatever_the_caller_set(monkeypatch):
+    # dsa.core.determinism: MKL rounds differently per code path (AVX-512 on Intel, generic on AMD); a stage's
+    # artifact must not depend on the CPU or on the caller's environment.
+    monkeypatch.setenv("MKL_CBWR", "AVX2")
+    assert StageRunner()("branch", mkl_branch) == "COMPATIBLE"
 
 
 def test_the_peak_rss_is_the_stages_own_not_the_callers():

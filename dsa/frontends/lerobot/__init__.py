@@ -50,6 +50,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, List, Mapping, Optional
 
+from dsa.core.determinism import pin_math_libraries
 from dsa.core.errors import DsaError
 from dsa.frontends.lerobot import act, common, diffusion, pi, smolvla
 from dsa.frontends.lerobot.common import (DENOISING_LOOPS, OBS_ENV_STATE, OBS_IMAGES,  # noqa: F401 (public API)
@@ -243,6 +244,7 @@ def reference_actions(policy_dir: Path, inputs: Mapping[str, Any], steps: Option
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    pin_math_libraries()  # before any computation: dsa.core.determinism
     parser = argparse.ArgumentParser(prog="dsa-lerobot", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     init = sub.add_parser("init", help="write a random-init policy (config.json + model.safetensors)")
