@@ -5,6 +5,8 @@ configs so the file runs in well under two minutes."""
 import hashlib
 import json
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
 
@@ -199,6 +201,20 @@ def test_init_seed_changes_the_weights_only(tmp_path):
     lerobot.init_policy("act", SMALL_ACT, 1, tmp_path / "s1")
     assert _sha256(tmp_path / "s0" / "config.json") == _sha256(tmp_path / "s1" / "config.json")
     assert _sha256(tmp_path / "s0" / "model.safetensors") != _sha256(tmp_path / "s1" / "model.safetensors")
+
+
+def test_cli_init_gives_the_same_bytes_whichever_mkl_code_path_the_caller_asks_for(tmp_path):
+    """MKL rounds PI0.5's SigLIP initialisation (trunc_normal_) differently per code path: the AVX2, AVX-512
+    and generic paths give three digests. `init` runs on MKL's CPU-independent path whatever the caller set
+    (dsa.core.determinism), so a stand-in pinned on an AMD EPYC holds on an Intel Xeon."""
+    digests = []
+    for branch in ("AVX2", "COMPATIBLE"):
+        out = tmp_path / branch
+        subprocess.run([sys.executable, "-m", "dsa.frontends.lerobot.cli", "init", "--type", "pi05",
+                        "--config-json", json.dumps(SMALL_PI), "--out-dir", str(out)],
+                       env=dict(os.environ, MKL_CBWR=branch), check=True, capture_output=True)
+        digests.append(_sha256(out / "model.safetensors"))
+    assert digests[0] == digests[1]
 
 
 def test_cli_init_writes_the_policy_and_reports_bad_fields_with_exit_code_2(tmp_path, capsys, monkeypatch):
@@ -689,9 +705,6 @@ def test_pi_patch_refuses_other_transformers_versions(monkeypatch):
 
 def test_smolvla_outputs_are_the_same_before_and_after_the_pi_patch(smolvla_dir):
     """A fresh interpreter: SmolVLA's eager actions, then the PI patch, then SmolVLA built again."""
-    import subprocess
-    import sys
-
     script = (
         "import sys, numpy as np\n"
         "import dsa.frontends.lerobot as lerobot\n"
