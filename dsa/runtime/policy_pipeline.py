@@ -132,7 +132,8 @@ def describe(manifest: Mapping[str, Any], manifest_path: str, members: Mapping[s
         node, key, mode = uncovered[0]
         raise DsaError(f"{manifest_path}: processors: {node}",
                        f"normalises {key!r} ({mode}) but its statistics file has no {key!r} entry; LeRobot would "
-                       f"pass it through un-normalised" + (f" (and {len(uncovered) - 1} more)" if len(uncovered) > 1 else ""),
+                       f"pass it through un-normalised"
+                       + (f" (and {len(uncovered) - 1} more)" if len(uncovered) > 1 else ""),
                        "save the processors with the dataset's statistics for every feature (or map its type to "
                        "IDENTITY in norm_map)")
 
