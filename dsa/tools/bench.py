@@ -770,19 +770,17 @@ def _unrolled_with_constant_table(policy):
     return ConstantTable().eval()
 
 
-def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: Path, with_ort: bool = True,
-                 with_compile: bool = True, wait_s: float = QUIET_WAIT_S) -> dict:
-    """The policy's shipped module (its smallest bucket, batch 1, the runtime's default step count) against
-    eager LeRobot, ONNX Runtime and torch.compile on the same inputs, in alternating rounds."""
+def policy_case(policy: Policy, compiled):
+    """The case a LeRobot policy is timed on (the benchmark's and the tuner's): batch-1 inputs sampled from
+    its smallest module's record (seeded), the runtime's default step count where the module takes one, and
+    eager LeRobot on the same inputs. Returns (inputs, observation names, steps, the LeRobot policy, the
+    eager module, its tensor arguments, its output as float64)."""
     import torch
 
     from dsa.frontends.lerobot import load_pretrained
-    from dsa.runtime.policy import CompiledPolicy, sample_inputs
+    from dsa.runtime.policy import sample_inputs
 
-    torch.set_num_threads(threads)
-    compiled = CompiledPolicy(policy.index)
-    module = compiled.modules[0]
-    record = module.record
+    record = compiled.modules[0].record
     inputs = sample_inputs(record, {"batch": 1}, np.random.default_rng(0))
     names = [spec["name"] for spec in record["inputs"]]
     steps = None
@@ -795,6 +793,21 @@ def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: 
     args = [torch.from_numpy(np.asarray(inputs[n])) for n in observation]
     with torch.no_grad():
         ref = eager(*args).numpy().astype(np.float64)
+    return inputs, observation, steps, policy_obj, eager, args, ref
+
+
+def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: Path, with_ort: bool = True,
+                 with_compile: bool = True, wait_s: float = QUIET_WAIT_S) -> dict:
+    """The policy's shipped module (its smallest bucket, batch 1, the runtime's default step count) against
+    eager LeRobot, ONNX Runtime and torch.compile on the same inputs, in alternating rounds."""
+    import torch
+
+    from dsa.runtime.policy import CompiledPolicy
+
+    torch.set_num_threads(threads)
+    compiled = CompiledPolicy(policy.index)
+    module = compiled.modules[0]
+    inputs, observation, steps, policy_obj, eager, args, ref = policy_case(policy, compiled)
     case = ", ".join(["batch=1"] + ([f"steps={steps}"] if steps is not None else []))
     errors: Dict[str, str] = {}
     fns: Dict[str, Callable[[], object]] = {"eager": lambda: eager(*args),

@@ -11,12 +11,23 @@ fastest candidate's — is written to toolchains/tuning/<family>.<target>.json, 
 attribute names, and the measurements to toolchains/tuning/<family>.<target>.evidence.json. The flags
 already in the tuning file stay unless the winner beats them by --min-gain (default 5%), and the file is
 rewritten only when its flags change, so re-tuning on a noisy machine does not churn it and recompile.
+
+LeRobot policies (the policies index, models/BUILD.bazel's dsa_policies) are tuned as built:
+
+    bazel run //bench:tune -- act diffusion --target x86_64-v4
+
+The tool runs itself again in the LeRobot environment, takes each policy's exported MLIR of its smallest
+bucket (what DsaCompile compiled), compiles the candidates of the family (candidates.json's `families`, else
+the common list), checks each against eager LeRobot on the benchmark's batch-1 case and times them in
+alternating rounds with eager LeRobot itself, whose median goes into the evidence beside every candidate's
+ratio to it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,18 +39,33 @@ from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, write_json_atomic
 
 
-def load_candidates(path: Path) -> List[dict]:
-    data = read_json(path)
-    candidates = data.get("candidates")
+def _check_candidates(path: Path, where: str, candidates) -> None:
     if not isinstance(candidates, list) or not candidates:
-        raise DsaError(str(path), "has no 'candidates' list", "list named flag sets: {name, flags}")
+        raise DsaError(str(path), f"has no {where} list", "list named flag sets: {name, flags}")
     names = set()
     for c in candidates:
         if not isinstance(c, dict) or "name" not in c or not isinstance(c.get("flags"), list):
-            raise DsaError(str(path), f"candidate {c!r} is not {{name, flags: [...]}}")
+            raise DsaError(str(path), f"{where}: candidate {c!r} is not {{name, flags: [...]}}")
+        if not isinstance(c.get("targets", []), list):
+            raise DsaError(str(path), f"{where}: candidate '{c['name']}': 'targets' is not a list of target names")
         if c["name"] in names:
-            raise DsaError(str(path), f"candidate name '{c['name']}' appears twice")
+            raise DsaError(str(path), f"{where}: candidate name '{c['name']}' appears twice")
         names.add(c["name"])
+
+
+def load_candidates(path: Path, family: Optional[str] = None, target: Optional[str] = None) -> List[dict]:
+    """The candidates for `family` (its own list under `families`, else the common `candidates`), without
+    those whose `targets` leave out `target`."""
+    data = read_json(path)
+    _check_candidates(path, "'candidates'", data.get("candidates"))
+    families = data.get("families", {})
+    if not isinstance(families, dict):
+        raise DsaError(str(path), "'families' is not {family: [candidates]}")
+    for name, listed in families.items():
+        _check_candidates(path, f"families.{name}", listed)
+    candidates = families.get(family, data["candidates"]) if family else data["candidates"]
+    if target is not None:
+        candidates = [c for c in candidates if target in c.get("targets", [target])]
     return candidates
 
 
@@ -61,6 +87,14 @@ def keep_incumbent(measured: List[dict], incumbent: Optional[List[str]], min_gai
     if current is not None and current["score"] <= best["score"] * (1.0 + min_gain):
         return current
     return best
+
+
+def incumbent_flags(current: Optional[dict]) -> Optional[List[str]]:
+    """The flags of the tuning file in place that a re-tune keeps within the margin: none for a missing file
+    or a hand-chosen one (`"measured": false`), which the measured winner always replaces."""
+    if current is None or current.get("measured", True) is False:
+        return None
+    return current["flags"]
 
 
 def score_candidates(measured: List[dict], models: List[str]) -> None:
@@ -137,39 +171,165 @@ def _measure_model(model: str, subject, *, root: Path, target: dict, candidates:
     return results
 
 
-def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: int, threads: int,
-         work: Path, write_root: Path, min_gain: float = 0.05) -> dict:
+def _policy_mlir(record_path: Path) -> Path:
+    """The MLIR DsaCompile compiled for a module, beside its export record: `<bucket>.export_record.json` →
+    `<bucket>.mlir` (a bucketed model), `export_record.json` → `model.mlir`."""
+    name = record_path.name
+    stem = "model" if name == "export_record.json" else name[:-len(".export_record.json")]
+    return record_path.with_name(stem + ".mlir")
+
+
+def _policy_compile_view(policy) -> tuple:
+    """(path, content) of the compile view DsaCompile compiled a built policy with: beside its modules."""
+    from dsa.runtime.policy import read_module_index
+
+    index = read_module_index(policy.index)
+    path = (Path(policy.index).parent / index["target_spec"]).parent / f"compile_view.{index['target']}.json"
+    if not path.is_file():
+        raise DsaError(str(path), f"is missing: policy {policy.name}'s compile view",
+                       "run the tuner with `bazel run //bench:tune`, which builds what it reads")
+    return path, read_json(path)
+
+
+def _measure_policy(policy, *, root: Path, target: dict, candidates: List[dict], runs: int, warmup: int,
+                    work: Path) -> tuple:
+    """Compiles every candidate for one LeRobot policy's smallest bucket (the MLIR it was built from), checks
+    each against eager LeRobot and times them with eager LeRobot in alternating rounds. Returns (its tuning
+    family, name → result, eager's timing)."""
     import torch
 
-    subjects = {s.name: s for s in bench.load_subjects(root / "bench" / "subjects.json", root)}
-    for model in models:
-        if model not in subjects:
-            raise DsaError("tune", f"no bench subject '{model}'", f"known: {', '.join(sorted(subjects))}")
-    families = sorted({subjects[m].family for m in models})
-    if len(families) != 1:
-        raise DsaError("tune", f"models {', '.join(models)} belong to families {', '.join(families)}",
-                       "tune one family at a time: its tuning file serves all of its models")
-    family = families[0]
+    from dsa.runtime.policy import CompiledPolicy
+    from dsa.stages.compile import compile_module
+
+    compiled = CompiledPolicy(policy.index)
+    index = compiled.index
+    base = Path(policy.index).parent
+    smallest = compiled.modules[0]
+    entry = next(m for m in index["modules"] if base / m["vmfb"] == smallest.vmfb)
+    mlir = _policy_mlir(base / entry["record"])
+    if not mlir.is_file():
+        raise DsaError(str(mlir), f"is missing: policy {policy.name} was not built with its MLIR",
+                       "run the tuner with `bazel run //bench:tune`, which builds what it reads")
+    view_path, view = _policy_compile_view(policy)
+    compile_view = dict(view, target=target["name"])
+    family = compile_view.get("tuning")
+    if not family:
+        raise DsaError(str(view_path), f"policy {policy.name}'s manifest names no tuning family",
+                       "set `tuning: <family>` in its manifest")
+    inputs, observation, steps, _, eager, args, ref = bench.policy_case(policy, compiled)
+    results: Dict[str, dict] = {}
+    modules = {}
+    work.mkdir(parents=True, exist_ok=True)
+    for cand in candidates:
+        tuning = {"format": TUNING_FORMAT, "family": family, "target": target["name"], "flags": cand["flags"]}
+        vmfb = work / f"{cand['name']}.vmfb"
+        start = time.perf_counter()
+        try:
+            report = compile_module(mlir, compile_view, target, vmfb,
+                                    where=f"{policy.name} candidate {cand['name']}", tuning=tuning)
+        except DsaError as e:
+            # Paths as the checkout names them: the evidence is committed, this machine's runfiles are not.
+            reason = str(e).replace(f"{root}{os.sep}", "")
+            results[cand["name"]] = {"qualified": False, "reason": f"does not compile: {reason}"}
+            print(f"dsa-tune: {policy.name} {cand['name']}: does not compile", flush=True)
+            continue
+        results[cand["name"]] = {"compile_s": round(time.perf_counter() - start, 2),
+                                 "vmfb_bytes": report["vmfb_bytes"], "cases": {}}
+        modules[cand["name"]] = bench.IreeModule(
+            bench.Built(vmfb, smallest.record, compiled.parameter_archive, report["flags"], {}, 0, 0,
+                        report["vmfb_bytes"]),
+            target["runtime_driver"])
+        print(f"dsa-tune: {policy.name} {cand['name']}: compiled in {results[cand['name']]['compile_s']} s",
+              flush=True)
+    case = ", ".join(["batch=1"] + ([f"steps={steps}"] if steps is not None else []))
+    checks = {}
+    for name, module in modules.items():
+        try:
+            checks[name] = bench.parity(module(inputs), ref)
+        except Exception as e:  # a module that compiles but cannot run here (e.g. out of worker stack)
+            results[name].update(qualified=False, reason=f"does not run: {bench._error(e)}")
+    runnable = {name: module for name, module in modules.items() if name in checks}
+    fns = {name: (lambda m: lambda: m(inputs))(module) for name, module in runnable.items()}
+    fns[EAGER] = lambda: eager(*args)
+    with torch.no_grad():
+        timings = bench.measure_interleaved(fns, warmup=warmup, runs=runs)
+    eager_timing = timings[EAGER]
+    for name in runnable:
+        entry = results[name]
+        entry["cases"][case] = dict(timings[name], parity=checks[name])
+        entry["total_median_ms"] = timings[name]["median_ms"]
+        entry["vs_eager"] = round(timings[name]["median_ms"] / eager_timing["median_ms"], 3)
+        entry["qualified"] = checks[name]["ok"]
+        if not entry["qualified"]:
+            entry["reason"] = "output outside the parity bound against eager LeRobot"
+        print(f"dsa-tune: {policy.name} {name}: {entry['total_median_ms']:.2f} ms, {entry['vs_eager']}x eager"
+              f"{'' if entry['qualified'] else ' (parity FAILED)'}", flush=True)
+    print(f"dsa-tune: {policy.name} {EAGER}: {eager_timing['median_ms']:.2f} ms", flush=True)
+    return family, results, dict(eager_timing, case=case)
+
+
+# The name eager LeRobot's timing has among the candidates' (never a candidate's name: candidates.json's
+# names are flag sets).
+EAGER = "eager LeRobot"
+
+
+def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: int, threads: int,
+         work: Path, write_root: Path, min_gain: float = 0.05) -> dict:
+    """Tunes bench subjects (bench/subjects.json) or LeRobot policies (the policies index) of one family."""
+    import torch
+
     torch.set_num_threads(threads)
     target = read_json(root / "toolchains" / "targets" / f"{target_name}.json")
-    candidates = load_candidates(root / "toolchains" / "tuning" / "candidates.json")
-    per_model = {m: _measure_model(m, subjects[m], root=root, target=target, candidates=candidates, runs=runs,
-                                   warmup=warmup, work=work / m) for m in models}
+    candidates_path = root / "toolchains" / "tuning" / "candidates.json"
+    policies = {p.name: p for p in bench.lerobot_policies(root)} if (root / bench.POLICIES_INDEX).is_file() else {}
+    eager: Dict[str, dict] = {}
+    if policies and all(m in policies for m in models):
+        from dsa.runtime.host import check_host
+
+        # A module for a CPU this machine lacks would die of SIGILL in the first candidate, not fail.
+        check_host(target, f"--target {target_name}")
+        per_model = {}
+        families = {m: _policy_compile_view(policies[m])[1].get("tuning") for m in models}
+        _one_family(models, families)
+        family = families[models[0]]
+        candidates = load_candidates(candidates_path, family, target_name)
+        for model in models:
+            _, per_model[model], eager[model] = _measure_policy(
+                policies[model], root=root, target=target, candidates=candidates, runs=runs, warmup=warmup,
+                work=work / model)
+        how = "against eager LeRobot, in the LeRobot environment"
+    else:
+        subjects = {s.name: s for s in bench.load_subjects(root / "bench" / "subjects.json", root)}
+        for model in models:
+            if model not in subjects:
+                known = sorted(subjects) + sorted(policies)
+                raise DsaError("tune", f"no bench subject or LeRobot policy '{model}'", f"known: {', '.join(known)}"
+                               + ("; tune LeRobot policies apart from bench subjects" if model in policies else ""))
+        _one_family(models, {m: subjects[m].family for m in models})
+        family = subjects[models[0]].family
+        candidates = load_candidates(candidates_path, family, target_name)
+        per_model = {m: _measure_model(m, subjects[m], root=root, target=target, candidates=candidates,
+                                       runs=runs, warmup=warmup, work=work / m) for m in models}
+        how = "against eager PyTorch"
     measured = [{"name": c["name"], "flags": c["flags"], "models": {m: per_model[m][c["name"]] for m in models}}
                 for c in candidates]
     score_candidates(measured, models)
     tuning_path = write_root / "toolchains" / "tuning" / f"{family}.{target_name}.json"
-    incumbent = read_json(tuning_path)["flags"] if tuning_path.exists() else None
-    winner = keep_incumbent(measured, incumbent, min_gain)
+    current = read_json(tuning_path) if tuning_path.exists() else None
+    winner = keep_incumbent(measured, incumbent_flags(current), min_gain)
+    ratios = ", ".join(f"{m} {winner['models'][m]['vs_eager']}x" for m in models
+                       if "vs_eager" in winner["models"][m])
     tuning_doc = {
         "format": TUNING_FORMAT,
         "family": family,
         "target": target_name,
         "flags": winner["flags"],
         "chosen": f"candidate '{winner['name']}', measured by `bazel run //bench:tune -- {' '.join(models)} "
-                  f"--target {target_name}`; evidence in {tuning_path.stem}.evidence.json",
+                  f"--target {target_name}` {how} on {bench.cpu_model()}"
+                  + (f" (vs eager: {ratios})" if ratios else "")
+                  + f"; evidence in {tuning_path.stem}.evidence.json",
     }
-    changed = not tuning_path.exists() or read_json(tuning_path).get("flags") != winner["flags"]
+    changed = incumbent_flags(current) != winner["flags"]
     if changed:
         write_json_atomic(tuning_path, tuning_doc)
     evidence = {
@@ -184,15 +344,32 @@ def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: 
         "winner": winner["name"],
         "candidates": measured,
     }
+    if eager:
+        evidence["eager_lerobot"] = eager
     write_json_atomic(tuning_path.with_suffix(".evidence.json"), evidence)
     print(f"dsa-tune: winner {winner['name']} ({' '.join(winner['flags']) or 'no extra flags'}); "
           f"{'wrote' if changed else 'unchanged:'} {tuning_path}")
     return evidence
 
 
+def _one_family(models: List[str], families: Dict[str, str]) -> None:
+    names = sorted(set(families.values()))
+    if len(names) != 1:
+        raise DsaError("tune", f"models {', '.join(models)} belong to families {', '.join(map(str, names))}",
+                       "tune one family at a time: its tuning file serves all of its models")
+
+
+def _in_lerobot_environment() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("lerobot") is not None
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="dsa tune", description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="+", help="bench subjects (bench/subjects.json) of one family")
+    parser.add_argument("models", nargs="+",
+                        help="bench subjects (bench/subjects.json) or LeRobot policies (the policies index) of "
+                             "one family")
     parser.add_argument("--target", default="auto")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
@@ -200,10 +377,27 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--min-gain", type=float, default=0.05,
                         help="replace the current flags only for a winner this much faster (fraction)")
     parser.add_argument("--root", type=Path, help="checkout to read models and toolchains from")
+    parser.add_argument("--write-root", type=Path, help=argparse.SUPPRESS)  # kept across the LeRobot re-run
     a = parser.parse_args(argv)
     root = a.root or Path(os.path.abspath(__file__)).parents[2]
-    write_root = bench.workspace_root() if a.root is None else a.root
+    write_root = a.write_root or (bench.workspace_root() if a.root is None else a.root)
     target = bench.best_target(bench.cpu_flags(), root / "toolchains" / "targets") if a.target == "auto" else a.target
+    policies = set()
+    if (root / bench.POLICIES_INDEX).is_file():
+        policies = {p.name for p in bench.lerobot_policies(root)}
+    if policies and all(m in policies for m in a.models) and not _in_lerobot_environment():
+        # LeRobot policies are measured against eager LeRobot: this tool again, under that environment's
+        # interpreter (in the runfiles), with the same import roots and arguments.
+        python = bench.lerobot_python(root)
+        if python is None:
+            raise DsaError("dsa tune", "the LeRobot environment is not in this binary's runfiles",
+                           "run `bazel run //bench:tune -- POLICY ...`")
+        pythonpath = [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        os.environ["PYTHONPATH"] = os.pathsep.join(pythonpath)
+        args = list(sys.argv[1:] if argv is None else argv)
+        if a.root is None:
+            args += ["--root", str(root), "--write-root", str(write_root)]
+        os.execv(str(python), [str(python), "-m", "dsa.tools.tune", *args])
     bench.set_iree_threads(a.threads)
     with tempfile.TemporaryDirectory(prefix="dsa-tune-") as tmp:
         tune(a.models, root=root, target_name=target, runs=a.runs, warmup=a.warmup, threads=a.threads,

@@ -218,7 +218,7 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
       * `<name>`: that index plus every policy's and pipeline's outputs (modules, records, MLIR, archives) as
         files and runfiles: what the import matrix needs (`bazel build //models:policies` builds them all);
       * `<name>_lerobot`: the index plus the LeRobot policies (framework lerobot) with their policy
-        directories: what the benchmark runs in the LeRobot environment;
+        directories and exported MLIR: what the benchmark and the tuner run in the LeRobot environment;
       * `<name>_code`: a py_library of every policy's model code (the dsa_models' `deps`), and
         `<name>_checkpoints`: the seeded checkpoints dsa_policy made — what the benchmark reads, without
         building (or fetching the environment of) any policy.
@@ -248,8 +248,10 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
                 models.append(":%s_buckets" % base)
             policy_config = rules.get(base + "_model", {}).get("policy_config")
             if policy_config:
-                # The policy and its LeRobot policy directory (config.json + model.safetensors).
-                lerobot += [":" + rule_name, policy_config.rpartition("/")[0]]
+                # The policy, its LeRobot policy directory (config.json + model.safetensors) and the MLIR its
+                # modules were compiled from (the tuner compiles it again with each candidate's flags).
+                mlir = ":%s_buckets" % base if (base + "_buckets") in rules else ":%s_model" % base
+                lerobot += [":" + rule_name, policy_config.rpartition("/")[0], mlir]
         elif r["kind"] == "dsa_pipeline":
             pipelines.append(":" + rule_name)
             ptests.append(pipeline_tests.get(rule_name, ""))

@@ -136,7 +136,8 @@ def _dsa_vmfb_impl(ctx):
 
     files = vmfbs + reports + records + [index, lock, model.params, model.runtime_view, spec]
     return [
-        DefaultInfo(files = depset(files), runfiles = ctx.runfiles(files = files)),
+        # The compile view rides in the runfiles: the tuner compiles the policy again with it.
+        DefaultInfo(files = depset(files), runfiles = ctx.runfiles(files = files + [view])),
         DsaModuleInfo(
             model = model,
             target = target,

@@ -96,6 +96,46 @@ def test_candidates_file_is_valid_and_allowed_as_tuning():
         tuning_flags({"format": 1, "family": "f", "target": "x86_64-v3", "flags": c["flags"]}, V3, c["name"])
 
 
+def test_every_family_list_of_candidates_is_allowed_as_tuning_for_every_target_it_names():
+    data = read_json(TUNING / "candidates.json")
+    assert data["families"], "no family has its own candidates"
+    for family in data["families"]:
+        for c in tune.load_candidates(TUNING / "candidates.json", family):
+            for target in c.get("targets", ["x86_64-v3"]):
+                tuning_flags({"format": 1, "family": family, "target": target, "flags": c["flags"]},
+                             read_json(TARGETS / f"{target}.json"), f"{family}: {c['name']}")
+
+
+def test_a_family_gets_its_own_candidates_and_a_candidate_only_the_targets_it_names(tmp_path):
+    path = tmp_path / "candidates.json"
+    path.write_text(json.dumps({"format": 1, "candidates": [{"name": "baseline", "flags": []}], "families": {
+        "conv": [{"name": "a", "flags": ["--a"]}, {"name": "wide", "flags": ["--w"], "targets": ["x86_64-v4"]}]}}))
+    assert [c["name"] for c in tune.load_candidates(path, "conv", "x86_64-v4")] == ["a", "wide"]
+    assert [c["name"] for c in tune.load_candidates(path, "conv", "x86_64-v3")] == ["a"]
+    assert [c["name"] for c in tune.load_candidates(path, "other", "x86_64-v3")] == ["baseline"]
+
+
+def test_a_family_list_with_a_repeated_name_is_refused_naming_the_family(tmp_path):
+    path = tmp_path / "candidates.json"
+    path.write_text(json.dumps({"format": 1, "candidates": [{"name": "baseline", "flags": []}], "families": {
+        "conv": [{"name": "a", "flags": []}, {"name": "a", "flags": ["--x"]}]}}))
+    with pytest.raises(DsaError, match="families.conv: candidate name 'a' appears twice"):
+        tune.load_candidates(path, "conv")
+
+
+def test_a_hand_chosen_tuning_is_no_incumbent_so_the_measured_winner_replaces_it():
+    assert tune.incumbent_flags({"flags": ["--a"], "measured": False, "chosen": "not measured: x"}) is None
+    assert tune.incumbent_flags({"flags": ["--a"], "chosen": "candidate 'a'"}) == ["--a"]
+    assert tune.incumbent_flags(None) is None
+
+
+def test_a_policy_module_is_recompiled_from_the_mlir_beside_its_export_record(tmp_path):
+    assert tune._policy_mlir(tmp_path / "act_buckets" / "batch_0.export_record.json") == \
+        tmp_path / "act_buckets" / "batch_0.mlir"
+    assert tune._policy_mlir(tmp_path / "smolvla_model" / "export_record.json") == \
+        tmp_path / "smolvla_model" / "model.mlir"
+
+
 @pytest.mark.parametrize("flag", [
     "--iree-llvmcpu-target-cpu=znver4",
     "--iree-llvmcpu-target-cpu=host",
