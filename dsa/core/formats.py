@@ -54,15 +54,21 @@ class ModuleIndex:
     parameter_scope: str
     runtime_view: str
     modules: Tuple[Tuple[str, str], ...]  # (vmfb, export record), in the order given
+    # IREE runtime flags the modules need set before the process's first device (their compile reports'
+    # `runtime_flags`, merged); absent from the JSON when there are none.
+    runtime_flags: Tuple[str, ...] = ()
 
     _FIELDS = ("target", "target_spec", "parameter_archive", "parameter_scope", "runtime_view")
 
     def to_json(self) -> dict:
-        return {
+        data = {
             "format": INDEX_FORMAT,
             **{name: getattr(self, name) for name in self._FIELDS},
             "modules": [{"vmfb": vmfb, "record": record} for vmfb, record in self.modules],
         }
+        if self.runtime_flags:
+            data["runtime_flags"] = list(self.runtime_flags)
+        return data
 
     def text(self) -> str:
         return canonical_json(self.to_json())
@@ -84,7 +90,11 @@ class ModuleIndex:
             modules = tuple((m["vmfb"], m["record"]) for m in data["modules"])
         except (TypeError, KeyError):
             raise DsaError(where, "modules: each entry needs vmfb and record", "rebuild it") from None
-        return cls(**{name: data[name] for name in cls._FIELDS}, modules=modules)
+        runtime_flags = data.get("runtime_flags", [])
+        if not isinstance(runtime_flags, list) or not all(isinstance(f, str) for f in runtime_flags):
+            raise DsaError(where, "runtime_flags: must be a list of '--flag=value' strings", "rebuild it")
+        return cls(**{name: data[name] for name in cls._FIELDS}, modules=modules,
+                   runtime_flags=tuple(runtime_flags))
 
     @classmethod
     def read(cls, path: Path) -> "ModuleIndex":

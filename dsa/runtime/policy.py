@@ -23,6 +23,7 @@ import numpy as np
 
 from dsa.core.errors import DsaError
 from dsa.core.fileio import read_json, sha256_bytes
+from dsa.runtime import iree_flags
 from dsa.runtime.host import check_host
 
 from dsa.core.formats import INDEX_FORMAT, PARAMETER_METADATA_PREFIX, ExportRecord, ModuleIndex  # noqa: F401 (re-exported)
@@ -76,6 +77,8 @@ class CompiledPolicy:
         base = index_path.parent
         self.index = index
         self.target_spec = read_json(base / index["target_spec"])
+        # Before the first device (checking the host creates the driver): the runtime flags the modules need.
+        iree_flags.require(index.get("runtime_flags", []), str(index_path))
         # Before any module is loaded: code for a CPU this machine lacks would die of SIGILL, not fail.
         check_host(self.target_spec, str(index_path))
         self.driver = driver or self.target_spec["runtime_driver"]

@@ -20,6 +20,7 @@ from typing import List, Optional
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import atomic_output, read_json, sha256_file
 from dsa.core.formats import REPORT_FORMAT, CompileReport
+from dsa.core.runtime_flags import merge_runtime_flags, runtime_flag_values
 from dsa.stages.iree_tools import first_error_line, iree_compile_path  # noqa: F401 (part of this module's API)
 
 TUNING_FORMAT = 1
@@ -78,6 +79,7 @@ def tuning_flags(tuning: dict, target: dict, where: str) -> List[str]:
         if flag.partition("=")[0] in _TUNING_FORBIDDEN or flag.endswith("=host"):
             raise DsaError(where, f"tuning flag '{flag}' is not allowed: the target spec and the rule set own "
                            "the device, CPU, input and reproducibility flags", "remove it from the tuning file")
+    runtime_flag_values(tuning.get("runtime_flags", []), where)
     return list(flags)
 
 
@@ -185,6 +187,10 @@ def compile_module(
         "vmfb_bytes": vmfb_size,
         "iree_base_compiler": _compiler_version(),
     }
+    runtime_flags = [] if tuning is None else merge_runtime_flags([tuning.get("runtime_flags", [])])
+    if runtime_flags:
+        # What the module needs of its runner (absent when nothing: reports of untouched tunings keep their bytes).
+        report["runtime_flags"] = runtime_flags
     if out_report is not None:
         CompileReport.write(out_report, report)
     return report

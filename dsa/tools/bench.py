@@ -37,6 +37,9 @@ import numpy as np
 
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, sha256_file, write_bytes_atomic, write_json_atomic
+from dsa.core.runtime_flags import merge_runtime_flags
+from dsa.runtime import iree_flags
+from dsa.runtime.policy import read_module_index
 
 RESULTS_FORMAT = 1
 # Parity bound of every runtime against eager, as in the models' tests: |x - eager| <= REL_TOL * max(1, |eager|).
@@ -981,6 +984,10 @@ def run_lerobot_benchmark(root: Path, out: Path, *, models: Optional[Sequence[st
     policies = lerobot_policies(root)
     if models:
         policies = [p for p in policies if p.name in set(models)]
+    # One IREE runtime for every policy of this process, set up before the first device with the runtime
+    # flags (a worker stack) the most demanding module that runs here needs.
+    iree_flags.require(merge_runtime_flags(read_module_index(p.index).get("runtime_flags", [])
+                                           for p in policies if not_runnable(p.index) is None), "dsa bench")
     rows = []
     with tempfile.TemporaryDirectory(prefix="dsa-bench-lerobot-") as tmp:
         for policy in policies:
@@ -1337,6 +1344,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise DsaError("dsa bench", "the LeRobot environment is not in this binary's runfiles",
                        "run `bazel run //bench`, or pass --no-lerobot")
     set_iree_threads(a.threads)
+    # The project's subjects are compiled with their families' tunings for the target: the runtime is set up
+    # once, before the first device, with what the most demanding of them requires.
+    iree_flags.require(merge_runtime_flags(read_json(t).get("runtime_flags", [])
+                                           for t in (root / "toolchains" / "tuning").glob(f"*.{target}.json")),
+                       "dsa bench")
     results = {
         "format": RESULTS_FORMAT,
         "date": time.strftime("%Y-%m-%d"),

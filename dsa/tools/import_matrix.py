@@ -328,12 +328,12 @@ def sample_values(record: dict, flow_steps: Optional[int]) -> Tuple[dict, str]:
 
 
 def benchmark_command(vmfb: Path, *, driver: str, irpa: Path, scope: str, function: str, inputs: Sequence[str],
-                      runs: int, threads: int) -> List[str]:
+                      runs: int, threads: int, runtime_flags: Sequence[str] = ()) -> List[str]:
     from dsa.tools.profiler import runtime_tool_path  # iree-base-runtime's own tools, as dsa-profile finds them
 
     return [runtime_tool_path("iree-benchmark-module"), f"--module={vmfb}", f"--device={driver}",
             f"--parameters={scope}={irpa}", f"--function={function}", *inputs,
-            f"--task_topology_max_group_count={threads}",
+            f"--task_topology_max_group_count={threads}", *runtime_flags,
             "--benchmark_min_time=1x", f"--benchmark_repetitions={runs}",
             "--benchmark_report_aggregates_only=false", "--benchmark_format=json"]
 
@@ -367,7 +367,8 @@ def measure_latency(unit: Unit, module: dict, work: Path, *, runs: int, threads:
     inputs = benchmark_input_flags(specs, values, work)
     irpa = unit.base / unit.index["parameter_archive"]
     common = dict(driver=target_spec["runtime_driver"], irpa=irpa, scope=unit.index["parameter_scope"],
-                  function=record.get("function", "main"), inputs=inputs, threads=threads)
+                  function=record.get("function", "main"), inputs=inputs, threads=threads,
+                  runtime_flags=unit.index.get("runtime_flags", []))
     # One process: the first repetition (parameter upload, cold caches) is the warm-up and is dropped.
     cmd = benchmark_command(module["vmfb"], runs=runs + 1, **common)
     proc = subprocess.run(cmd, capture_output=True, text=True)

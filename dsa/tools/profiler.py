@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from dsa.core.errors import DsaError, run_cli
+from dsa.core.runtime_flags import merge_runtime_flags
 
 RESULT_FORMAT = 1
 DEFAULT_RUNS = 10
@@ -326,14 +327,14 @@ def _profiling_mode(driver: str) -> str:
 
 
 def run_profiler(vmfb: Path, *, driver: str, parameters: Path, scope: str, function: str, inputs: Sequence[str],
-                 runs: int, out: Path, where: str) -> Tuple[List[dict], dict]:
+                 runs: int, out: Path, where: str, runtime_flags: Sequence[str] = ()) -> Tuple[List[dict], dict]:
     """Runs `function` `runs` times under the HAL profiler (`inputs`: its --input flags). Returns the
     profile's per-function dispatch groups (iree-profile dispatch rows) and the benchmark's own timing (its
     google-benchmark JSON entry)."""
     profile = out / "profile.ireeprof"
     cmd = [runtime_tool_path("iree-benchmark-module"), f"--module={vmfb}", f"--device={driver}",
            f"--parameters={scope}={parameters}", f"--function={function}",
-           *inputs, f"--benchmark_min_time={runs}x", "--benchmark_format=json",
+           *inputs, *runtime_flags, f"--benchmark_min_time={runs}x", "--benchmark_format=json",
            f"--device_profiling_mode={_profiling_mode(driver)}", f"--device_profiling_output={profile}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     reproduce = f"reproduce with: {' '.join(cmd)}"
@@ -619,8 +620,11 @@ def profile_model(
 
         input_flags = benchmark_input_flags(traced.traced_inputs, values, work)
         start = time.monotonic()
+        # The runtime flags the tuning requires of a runner (a worker stack), as the build's index carries them.
+        runtime_flags = merge_runtime_flags([(tuning or {}).get("runtime_flags", [])])
         groups, bench = run_profiler(vmfb, driver=target["runtime_driver"], parameters=irpa, scope=PARAMETER_SCOPE,
-                                     function="main", inputs=input_flags, runs=runs, out=work, where=where)
+                                     function="main", inputs=input_flags, runs=runs, out=work, where=where,
+                                     runtime_flags=runtime_flags)
         timings["profile_s"] = time.monotonic() - start
 
     unit = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}.get(bench.get("time_unit", "ns"), 1e-6)

@@ -37,6 +37,10 @@ from dsa.tools import bench
 from dsa.stages.compile import TUNING_FORMAT
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, write_json_atomic
+from dsa.core.runtime_flags import merge_runtime_flags, runtime_flag_values
+from dsa.runtime import iree_flags
+from dsa.runtime.host import check_host
+from dsa.runtime.policy import read_module_index
 
 
 def _check_candidates(path: Path, where: str, candidates) -> None:
@@ -46,6 +50,7 @@ def _check_candidates(path: Path, where: str, candidates) -> None:
     for c in candidates:
         if not isinstance(c, dict) or "name" not in c or not isinstance(c.get("flags"), list):
             raise DsaError(str(path), f"{where}: candidate {c!r} is not {{name, flags: [...]}}")
+        runtime_flag_values(c.get("runtime_flags", []), f"{path}: {where}: candidate '{c['name']}'")
         if not isinstance(c.get("targets", []), list):
             raise DsaError(str(path), f"{where}: candidate '{c['name']}': 'targets' is not a list of target names")
         if c["name"] in names:
@@ -134,7 +139,7 @@ def _measure_model(model: str, subject, *, root: Path, target: dict, candidates:
     for cand in candidates:
         entry: dict = {}
         tuning = {"format": TUNING_FORMAT, "family": subject.family, "target": target["name"],
-                  "flags": cand["flags"]}
+                  "flags": cand["flags"], "runtime_flags": cand.get("runtime_flags", [])}
         vmfb = work / f"{cand['name']}.vmfb"
         start = time.perf_counter()
         try:
@@ -181,8 +186,6 @@ def _policy_mlir(record_path: Path) -> Path:
 
 def _policy_compile_view(policy) -> tuple:
     """(path, content) of the compile view DsaCompile compiled a built policy with: beside its modules."""
-    from dsa.runtime.policy import read_module_index
-
     index = read_module_index(policy.index)
     path = (Path(policy.index).parent / index["target_spec"]).parent / f"compile_view.{index['target']}.json"
     if not path.is_file():
@@ -221,7 +224,8 @@ def _measure_policy(policy, *, root: Path, target: dict, candidates: List[dict],
     modules = {}
     work.mkdir(parents=True, exist_ok=True)
     for cand in candidates:
-        tuning = {"format": TUNING_FORMAT, "family": family, "target": target["name"], "flags": cand["flags"]}
+        tuning = {"format": TUNING_FORMAT, "family": family, "target": target["name"], "flags": cand["flags"],
+                  "runtime_flags": cand.get("runtime_flags", [])}
         vmfb = work / f"{cand['name']}.vmfb"
         start = time.perf_counter()
         try:
@@ -283,20 +287,10 @@ def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: 
     candidates_path = root / "toolchains" / "tuning" / "candidates.json"
     policies = {p.name: p for p in bench.lerobot_policies(root)} if (root / bench.POLICIES_INDEX).is_file() else {}
     eager: Dict[str, dict] = {}
-    if policies and all(m in policies for m in models):
-        from dsa.runtime.host import check_host
-
-        # A module for a CPU this machine lacks would die of SIGILL in the first candidate, not fail.
-        check_host(target, f"--target {target_name}")
-        per_model = {}
-        families = {m: _policy_compile_view(policies[m])[1].get("tuning") for m in models}
-        _one_family(models, families)
-        family = families[models[0]]
-        candidates = load_candidates(candidates_path, family, target_name)
-        for model in models:
-            _, per_model[model], eager[model] = _measure_policy(
-                policies[model], root=root, target=target, candidates=candidates, runs=runs, warmup=warmup,
-                work=work / model)
+    lerobot = bool(policies) and all(m in policies for m in models)
+    if lerobot:
+        family = _one_family(models, {m: _policy_compile_view(policies[m])[1].get("tuning") for m in models})
+        built = [read_module_index(policies[m].index).get("runtime_flags", []) for m in models]
         how = "against eager LeRobot, in the LeRobot environment"
     else:
         subjects = {s.name: s for s in bench.load_subjects(root / "bench" / "subjects.json", root)}
@@ -305,14 +299,27 @@ def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: 
                 known = sorted(subjects) + sorted(policies)
                 raise DsaError("tune", f"no bench subject or LeRobot policy '{model}'", f"known: {', '.join(known)}"
                                + ("; tune LeRobot policies apart from bench subjects" if model in policies else ""))
-        _one_family(models, {m: subjects[m].family for m in models})
-        family = subjects[models[0]].family
-        candidates = load_candidates(candidates_path, family, target_name)
+        family = _one_family(models, {m: subjects[m].family for m in models})
+        built = []
+        how = "against eager PyTorch"
+    candidates = load_candidates(candidates_path, family, target_name)
+    # Every candidate shares this process's IREE runtime, set up once before the first device, with the
+    # runtime flags (a worker stack) that the most demanding candidate or built module needs.
+    iree_flags.require(merge_runtime_flags([c.get("runtime_flags", []) for c in candidates] + built), "dsa tune")
+    if lerobot:
+        # A module for a CPU this machine lacks would die of SIGILL in the first candidate, not fail.
+        check_host(target, f"--target {target_name}")
+        per_model = {}
+        for model in models:
+            _, per_model[model], eager[model] = _measure_policy(
+                policies[model], root=root, target=target, candidates=candidates, runs=runs, warmup=warmup,
+                work=work / model)
+    else:
         per_model = {m: _measure_model(m, subjects[m], root=root, target=target, candidates=candidates,
                                        runs=runs, warmup=warmup, work=work / m) for m in models}
-        how = "against eager PyTorch"
-    measured = [{"name": c["name"], "flags": c["flags"], "models": {m: per_model[m][c["name"]] for m in models}}
-                for c in candidates]
+    measured = [{"name": c["name"], "flags": c["flags"], **({"runtime_flags": c["runtime_flags"]}
+                                                            if c.get("runtime_flags") else {}),
+                 "models": {m: per_model[m][c["name"]] for m in models}} for c in candidates]
     score_candidates(measured, models)
     tuning_path = write_root / "toolchains" / "tuning" / f"{family}.{target_name}.json"
     current = read_json(tuning_path) if tuning_path.exists() else None
@@ -324,12 +331,14 @@ def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: 
         "family": family,
         "target": target_name,
         "flags": winner["flags"],
+        **({"runtime_flags": winner["runtime_flags"]} if winner.get("runtime_flags") else {}),
         "chosen": f"candidate '{winner['name']}', measured by `bazel run //bench:tune -- {' '.join(models)} "
                   f"--target {target_name}` {how} on {bench.cpu_model()}"
                   + (f" (vs eager: {ratios})" if ratios else "")
                   + f"; evidence in {tuning_path.stem}.evidence.json",
     }
-    changed = incumbent_flags(current) != winner["flags"]
+    changed = (incumbent_flags(current) != winner["flags"]
+               or (current or {}).get("runtime_flags", []) != winner.get("runtime_flags", []))
     if changed:
         write_json_atomic(tuning_path, tuning_doc)
     evidence = {
@@ -352,11 +361,13 @@ def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: 
     return evidence
 
 
-def _one_family(models: List[str], families: Dict[str, str]) -> None:
-    names = sorted(set(families.values()))
+def _one_family(models: List[str], families: Dict[str, str]) -> str:
+    """The one family of `models`, or an error naming theirs."""
+    names = sorted(set(map(str, families.values())))
     if len(names) != 1:
-        raise DsaError("tune", f"models {', '.join(models)} belong to families {', '.join(map(str, names))}",
+        raise DsaError("tune", f"models {', '.join(models)} belong to families {', '.join(names)}",
                        "tune one family at a time: its tuning file serves all of its models")
+    return families[models[0]]
 
 
 def _in_lerobot_environment() -> bool:

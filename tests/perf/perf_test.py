@@ -1,6 +1,7 @@
 """Benchmark and tuner logic, and the tuning data in toolchains/tuning (no timing is asserted anywhere)."""
 
 import json
+import re
 
 import pytest
 
@@ -8,6 +9,7 @@ from dsa.tools import bench
 from dsa.tools import tune
 from dsa.stages.compile import compile_flags, tuning_flags
 from dsa.core.errors import DsaError
+from dsa.core.runtime_flags import merge_runtime_flags
 from dsa.core.fileio import read_json
 from dsa.tools.testing import runfile
 
@@ -121,6 +123,33 @@ def test_a_family_list_with_a_repeated_name_is_refused_naming_the_family(tmp_pat
         "conv": [{"name": "a", "flags": []}, {"name": "a", "flags": ["--x"]}]}}))
     with pytest.raises(DsaError, match="families.conv: candidate name 'a' appears twice"):
         tune.load_candidates(path, "conv")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--task_topology_max_group_count=4"], "runtime flag '--task_topology_max_group_count=4' is not one a "
+                                            "tuning may require"),
+    (["--task_worker_stack_size=big"], "runtime flag '--task_worker_stack_size=big' needs a positive byte count"),
+    (["--task_worker_stack_size"], "needs a positive byte count"),
+    ("--task_worker_stack_size=1", "must be a list"),
+])
+def test_a_tuning_may_require_only_a_worker_stack_of_the_runtime_named_in_the_error(flags, message):
+    tuning = {"format": 1, "family": "f", "target": "x86_64-v3", "flags": [], "runtime_flags": flags}
+    with pytest.raises(DsaError, match=f"f.x86_64-v3.json: .*{re.escape(message)}"):
+        tuning_flags(tuning, V3, "toolchains/tuning/f.x86_64-v3.json")
+
+
+def test_merged_runtime_flags_keep_each_flags_largest_value():
+    assert merge_runtime_flags([["--task_worker_stack_size=262144"], [], ["--task_worker_stack_size=524288"]]) \
+        == ["--task_worker_stack_size=524288"]
+    assert merge_runtime_flags([[], []]) == []
+
+
+def test_a_candidate_with_a_bad_runtime_flag_is_refused_naming_the_file_and_candidate(tmp_path):
+    path = tmp_path / "candidates.json"
+    path.write_text(json.dumps({"format": 1, "candidates": [
+        {"name": "big-stack", "flags": [], "runtime_flags": ["--task_worker_stack_size=-1"]}]}))
+    with pytest.raises(DsaError, match="candidate 'big-stack'.*needs a positive byte count"):
+        tune.load_candidates(path)
 
 
 def test_a_hand_chosen_tuning_is_no_incumbent_so_the_measured_winner_replaces_it():

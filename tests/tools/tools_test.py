@@ -13,6 +13,7 @@ from dsa.stages.compile import compile_module
 from dsa.core.errors import DsaError
 from dsa.stages.export import export_model
 from dsa.core.fileio import read_json, sha256_file
+from dsa.core.formats import ModuleIndex
 from dsa.runtime.policy import read_archive_metadata
 from dsa.stages.params import build_params
 
@@ -208,6 +209,41 @@ def test_compile_is_reproducible_and_reports_dispatches(exported, target_spec, t
     assert (tmp_path / "a.vmfb").read_bytes() == (tmp_path / "b.vmfb").read_bytes()
     assert report["dispatch_count"] >= 1 and "--iree-llvmcpu-target-cpu=x86-64-v3" in report["flags"]
     assert read_json(tmp_path / "a.json")["vmfb_sha256"] == sha256_file(tmp_path / "a.vmfb")
+
+
+def test_a_tunings_runtime_flags_reach_the_compile_report_and_the_module_index(exported, target_spec, tmp_path):
+    _, out, _ = exported
+    view = {"model_id": "tiny", "quant_scheme": {"kind": "none"}, "target": target_spec["name"]}
+    tuning = {"format": 1, "family": "f", "target": target_spec["name"], "flags": [],
+              "runtime_flags": ["--task_worker_stack_size=524288"]}
+    report = compile_module(out / "m.mlir", view, target_spec, tmp_path / "a.vmfb", tmp_path / "a.json",
+                            tuning=tuning)
+    assert read_json(tmp_path / "a.json")["runtime_flags"] == ["--task_worker_stack_size=524288"]
+    # The flag is the runner's, not the compiler's: the module's bytes are those of the same tuning without it.
+    untouched = compile_module(out / "m.mlir", view, target_spec, tmp_path / "b.vmfb",
+                               tuning=dict(tuning, runtime_flags=[]))
+    assert "runtime_flags" not in untouched and untouched["vmfb_sha256"] == report["vmfb_sha256"]
+    index = ModuleIndex(target="x86_64-v3", target_spec="t.json", parameter_archive="p.irpa",
+                        parameter_scope="model", runtime_view="r.json", modules=(("a.vmfb", "a.json"),),
+                        runtime_flags=tuple(report["runtime_flags"]))
+    assert ModuleIndex.from_json(json.loads(index.text()), "i").runtime_flags == ("--task_worker_stack_size=524288",)
+    # An index without runtime flags keeps the bytes it had before the field existed.
+    assert "runtime_flags" not in ModuleIndex(**{**index.__dict__, "runtime_flags": ()}).to_json()
+
+
+def test_a_module_needing_more_worker_stack_than_the_process_set_up_is_refused(monkeypatch):
+    from dsa.runtime import iree_flags
+
+    monkeypatch.setattr(iree_flags, "_in_effect", None)
+    # The first module sets IREE's runtime up (the real flag: the runtime refuses a name it does not know).
+    iree_flags.require(["--task_worker_stack_size=262144"], "first.modules.json")
+    assert iree_flags.in_effect() == {"--task_worker_stack_size": 262144}
+    iree_flags.require([], "plain.modules.json")
+    iree_flags.require(["--task_worker_stack_size=131072"], "smaller.modules.json")
+    with pytest.raises(DsaError, match=r"big\.modules\.json: needs the IREE runtime flags "
+                                       r"--task_worker_stack_size=524288, but this process set up IREE's runtime "
+                                       r"for an earlier module with --task_worker_stack_size=262144"):
+        iree_flags.require(["--task_worker_stack_size=524288"], "big.modules.json")
 
 
 def test_compiler_failure_leaves_no_vmfb(target_spec, tmp_path):

@@ -1,0 +1,43 @@
+"""IREE runtime flags a module may need of whoever runs it, as the tuning file, the compile report and the
+module index carry them (`runtime_flags`: ["--name=value", ...]). Standard library only: the torch-free runtime
+reads them too (dsa.runtime.iree_flags sets them)."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List
+
+from dsa.core.errors import DsaError
+
+# IREE runtime flags a tuning may require of whoever runs its modules (`runtime_flags` in the tuning file;
+# the compile report and the module index carry them; dsa.runtime.iree_flags sets them before the process's
+# first device): the stack of each local-task worker. A module compiled with a stack-allocation limit over
+# the compiler's default can need more than the runtime's default 128 KiB worker stack, and overflows it
+# (a crash, not an error) without the flag.
+RUNTIME_FLAGS = ("--task_worker_stack_size",)
+
+
+def runtime_flag_values(flags, where: str) -> Dict[str, int]:
+    """`["--name=BYTES", ...]` → {name: BYTES}, refusing a flag outside RUNTIME_FLAGS or a value that is not a
+    positive byte count."""
+    if not isinstance(flags, (list, tuple)):
+        raise DsaError(where, "'runtime_flags' must be a list of '--flag=value' strings")
+    values = {}
+    for flag in flags:
+        name, sep, value = flag.partition("=") if isinstance(flag, str) else ("", "", "")
+        if name not in RUNTIME_FLAGS:
+            raise DsaError(where, f"runtime flag {flag!r} is not one a tuning may require",
+                           f"allowed: {', '.join(f'{n}=BYTES' for n in RUNTIME_FLAGS)}")
+        if not sep or not value.isdigit() or int(value) <= 0:
+            raise DsaError(where, f"runtime flag {flag!r} needs a positive byte count", f"write {name}=524288")
+        values[name] = int(value)
+    return values
+
+
+def merge_runtime_flags(lists: Iterable) -> List[str]:
+    """The runtime flags that satisfy every list: per flag, the largest value (a bigger worker stack serves a
+    module that needs less), sorted by name."""
+    merged: dict = {}
+    for flags in lists:
+        for name, value in runtime_flag_values(flags, "runtime_flags").items():
+            merged[name] = max(value, merged.get(name, 0))
+    return [f"{name}={merged[name]}" for name in sorted(merged)]
