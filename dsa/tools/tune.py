@@ -94,6 +94,19 @@ def keep_incumbent(measured: List[dict], incumbent: Optional[List[str]], min_gai
     return best
 
 
+def without_runtime_requirements(measured: List[dict], winner: dict, min_gain: float) -> dict:
+    """`winner`, unless it requires runtime flags of the runner and a qualified candidate that requires none is
+    within `min_gain` (a fraction) of it: then the fastest such. A runtime requirement is a cost to every
+    runner of the module (and a process can be set up for only one worker stack), paid only for a real gain."""
+    if not winner.get("runtime_flags"):
+        return winner
+    plain = [m for m in measured if m.get("qualified") and not m.get("runtime_flags")]
+    if not plain:
+        return winner
+    best_plain = min(plain, key=lambda m: (m["score"], len(m["flags"])))
+    return best_plain if best_plain["score"] <= winner["score"] * (1.0 + min_gain) else winner
+
+
 def incumbent_flags(current: Optional[dict]) -> Optional[List[str]]:
     """The flags of the tuning file in place that a re-tune keeps within the margin: none for a missing file
     or a hand-chosen one (`"measured": false`), which the measured winner always replaces."""
@@ -323,7 +336,8 @@ def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: 
     score_candidates(measured, models)
     tuning_path = write_root / "toolchains" / "tuning" / f"{family}.{target_name}.json"
     current = read_json(tuning_path) if tuning_path.exists() else None
-    winner = keep_incumbent(measured, incumbent_flags(current), min_gain)
+    winner = without_runtime_requirements(measured, keep_incumbent(measured, incumbent_flags(current), min_gain),
+                                          min_gain)
     ratios = ", ".join(f"{m} {winner['models'][m]['vs_eager']}x" for m in models
                        if "vs_eager" in winner["models"][m])
     tuning_doc = {

@@ -152,6 +152,15 @@ def test_a_candidate_with_a_bad_runtime_flag_is_refused_naming_the_file_and_cand
         tune.load_candidates(path)
 
 
+def test_a_winner_needing_runtime_flags_yields_to_a_plain_candidate_within_the_margin():
+    measured = [_cand("plain", ["--a"], m=10.2), _cand("big-stack", ["--b"], m=10.0), _cand("bigger", ["--c"], m=8.0)]
+    measured[1]["runtime_flags"] = measured[2]["runtime_flags"] = ["--task_worker_stack_size=524288"]
+    tune.score_candidates(measured, ["m"])
+    assert tune.without_runtime_requirements(measured, measured[1], 0.05)["name"] == "plain"  # 2% faster: no
+    assert tune.without_runtime_requirements(measured, measured[2], 0.05)["name"] == "bigger"  # 27%: worth it
+    assert tune.without_runtime_requirements(measured, measured[0], 0.05)["name"] == "plain"
+
+
 def test_a_hand_chosen_tuning_is_no_incumbent_so_the_measured_winner_replaces_it():
     assert tune.incumbent_flags({"flags": ["--a"], "measured": False, "chosen": "not measured: x"}) is None
     assert tune.incumbent_flags({"flags": ["--a"], "chosen": "candidate 'a'"}) == ["--a"]
