@@ -4,7 +4,7 @@ reads them too (dsa.runtime.iree_flags sets them)."""
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Tuple
 
 from dsa.core.errors import DsaError
 
@@ -41,3 +41,9 @@ def merge_runtime_flags(lists: Iterable) -> List[str]:
         for name, value in runtime_flag_values(flags, "runtime_flags").items():
             merged[name] = max(value, merged.get(name, 0))
     return [f"{name}={merged[name]}" for name in sorted(merged)]
+
+
+def index_runtime_flags(reports: Iterable[dict]) -> Tuple[str, ...]:
+    """A module index's `runtime_flags`: what its modules' compile reports require, merged (every index writer:
+    DsaLock, `dsa compile`, the bundle)."""
+    return tuple(merge_runtime_flags(report.get("runtime_flags", []) for report in reports))

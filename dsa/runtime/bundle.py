@@ -50,7 +50,7 @@ from dsa.core.fileio import atomic_output, canonical_json, read_json, sha256_fil
 from dsa.core.formats import (BUILD_REPORT_FORMAT, BUNDLE_FORMAT, BUNDLE_FORMATS, EXECUTORCH_BUNDLE_FORMAT,
                               MULTI_TARGET_BUNDLE_FORMAT, PIPELINE_INDEX_FORMAT, BuildReport, BundleMeta, CompileReport,
                               ExportRecord, Link, Lock, ModuleIndex, MultiTargetBundleMeta, PipelineIndex, PteRecord)
-from dsa.core.runtime_flags import merge_runtime_flags
+from dsa.core.runtime_flags import index_runtime_flags
 from dsa.runtime.policy import read_module_index
 
 
@@ -293,8 +293,7 @@ def _collect(*, lock: Path, manifest: Path, runtime_view: Path, target_spec: Pat
         parameter_scope=scopes.pop(),
         runtime_view=RUNTIME_VIEW_JSON,
         modules=tuple((f"{name}.vmfb", f"{name}.export_record.json") for name in sorted(records)),
-        runtime_flags=tuple(merge_runtime_flags(reports[name].get("runtime_flags", [])
-                                                for name in sorted(records))),
+        runtime_flags=index_runtime_flags(reports[name] for name in sorted(records)),
     ).to_json()
     return _Stage(lock_data, payload, records, reports, digests, sizes, index)
 

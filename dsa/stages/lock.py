@@ -20,7 +20,7 @@ from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, sha256_file
 
 from dsa.core.formats import LOCK_FORMAT, Lock, ModuleIndex  # noqa: E402 (LOCK_FORMAT re-exported)
-from dsa.core.runtime_flags import merge_runtime_flags
+from dsa.core.runtime_flags import index_runtime_flags
 
 
 @dataclasses.dataclass
@@ -189,8 +189,7 @@ def _write_index(a: argparse.Namespace, modules: List[ModuleFiles]) -> None:
         parameter_scope=scopes.pop(),
         runtime_view=os.path.relpath(a.index_runtime_view, base),
         modules=tuple((os.path.relpath(m.vmfb, base), os.path.relpath(m.export_record, base)) for m in modules),
-        runtime_flags=tuple(merge_runtime_flags(read_json(m.compile_report).get("runtime_flags", [])
-                                                for m in modules)),
+        runtime_flags=index_runtime_flags(read_json(m.compile_report) for m in modules),
     ).write(Path(a.index_out))
 
 

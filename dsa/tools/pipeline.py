@@ -32,7 +32,7 @@ from dsa.core.identity import identity
 from dsa.stages.lock import ModuleFiles, make_lock, stage_source_files
 from dsa.manifest.contract import load_manifest, project
 from dsa.core.formats import Lock, ModuleIndex
-from dsa.core.runtime_flags import merge_runtime_flags
+from dsa.core.runtime_flags import index_runtime_flags
 from dsa.stages.params import build_params, check_checkpoint_digest, open_checkpoint
 from dsa.tools.stage_process import StageRunner
 
@@ -183,8 +183,7 @@ def build_into(
             parameter_scope=record["parameter_scope"],
             runtime_view="runtime_view.json",
             modules=tuple((m["vmfb"], m["record"]) for m in modules),
-            runtime_flags=tuple(merge_runtime_flags(read_json(m.compile_report).get("runtime_flags", [])
-                                                    for m in module_files)),
+            runtime_flags=index_runtime_flags(read_json(m.compile_report) for m in module_files),
         ).write(index)
         Lock.write(out / f"{target_name}.lock.json", make_lock(
             manifest=manifest_path,

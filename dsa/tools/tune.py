@@ -134,11 +134,42 @@ def score_candidates(measured: List[dict], models: List[str]) -> None:
         m["score"] = round(sum(per[model]["total_median_ms"] / best[model] for model in models) / len(models), 4)
 
 
+def _compile_candidates(model: str, mlir: Path, compile_view: dict, family: str, record: dict, irpa: Path, *,
+                        root: Path, target: dict, candidates: List[dict], work: Path) -> tuple:
+    """Compiles `mlir` with every candidate's flags and loads what compiled with the model's parameters.
+    Returns (name → result so far: compile time and size, or why it was disqualified; name → loaded module)."""
+    from dsa.stages.compile import compile_module
+
+    results: Dict[str, dict] = {}
+    modules = {}
+    work.mkdir(parents=True, exist_ok=True)
+    for cand in candidates:
+        tuning = {"format": TUNING_FORMAT, "family": family, "target": target["name"], "flags": cand["flags"],
+                  "runtime_flags": cand.get("runtime_flags", [])}
+        vmfb = work / f"{cand['name']}.vmfb"
+        start = time.perf_counter()
+        try:
+            report = compile_module(mlir, compile_view, target, vmfb, where=f"{model} candidate {cand['name']}",
+                                    tuning=tuning)
+        except DsaError as e:
+            # Paths as the checkout names them: the evidence is committed, this machine's runfiles are not.
+            reason = str(e).replace(f"{root}{os.sep}", "")
+            results[cand["name"]] = {"qualified": False, "reason": f"does not compile: {reason}"}
+            print(f"dsa-tune: {model} {cand['name']}: does not compile", flush=True)
+            continue
+        results[cand["name"]] = {"compile_s": round(time.perf_counter() - start, 2),
+                                 "vmfb_bytes": report["vmfb_bytes"], "cases": {}}
+        modules[cand["name"]] = bench.IreeModule(
+            bench.Built(vmfb, record, irpa, report["flags"], {}, 0, 0, report["vmfb_bytes"]),
+            target["runtime_driver"])
+        print(f"dsa-tune: {model} {cand['name']}: compiled in {results[cand['name']]['compile_s']} s", flush=True)
+    return results, modules
+
+
 def _measure_model(model: str, subject, *, root: Path, target: dict, candidates: List[dict], runs: int,
                    warmup: int, work: Path) -> Dict[str, dict]:
     """Compiles every candidate for one model, checks parity against eager and times it: name → result."""
     from dsa.stages import passes
-    from dsa.stages.compile import compile_module
     from dsa.manifest.contract import project
 
     manifest = bench.load_subject_manifest(subject, root, work)
@@ -147,29 +178,9 @@ def _measure_model(model: str, subject, *, root: Path, target: dict, candidates:
     _, _, cases = bench.reference_cases(subject, manifest, base.record)
 
     compile_view = dict(project(manifest, "compile", target=manifest["targets"][0]), target=target["name"])
-    results = {}
-    modules = {}
-    for cand in candidates:
-        entry: dict = {}
-        tuning = {"format": TUNING_FORMAT, "family": subject.family, "target": target["name"],
-                  "flags": cand["flags"], "runtime_flags": cand.get("runtime_flags", [])}
-        vmfb = work / f"{cand['name']}.vmfb"
-        start = time.perf_counter()
-        try:
-            report = compile_module(base.vmfb.with_name("model.mlir"), compile_view, target, vmfb,
-                                    where=f"{model} candidate {cand['name']}", tuning=tuning)
-        except DsaError as e:
-            entry.update(qualified=False, reason=f"does not compile: {e}")
-            results[cand["name"]] = entry
-            print(f"dsa-tune: {model} {cand['name']}: does not compile", flush=True)
-            continue
-        entry["compile_s"] = round(time.perf_counter() - start, 2)
-        entry["vmfb_bytes"] = report["vmfb_bytes"]
-        modules[cand["name"]] = bench.IreeModule(
-            bench.Built(vmfb, base.record, base.irpa, report["flags"], base.rewrites, 0, 0, report["vmfb_bytes"]),
-            target["runtime_driver"])
-        entry["cases"] = {}
-        results[cand["name"]] = entry
+    results, modules = _compile_candidates(model, base.vmfb.with_name("model.mlir"), compile_view, subject.family,
+                                           base.record, base.irpa, root=root, target=target,
+                                           candidates=candidates, work=work)
     # Every compiled candidate is timed in alternating rounds (see bench.measure_interleaved).
     for case in cases:
         checks = {name: bench.parity(module(case.inputs), case.ref) for name, module in modules.items()}
@@ -207,57 +218,37 @@ def _policy_compile_view(policy) -> tuple:
     return path, read_json(path)
 
 
-def _measure_policy(policy, *, root: Path, target: dict, candidates: List[dict], runs: int, warmup: int,
-                    work: Path) -> tuple:
+def _policy_family(policy) -> str:
+    """The tuning family a built policy's manifest names (its compile view's `tuning`)."""
+    path, view = _policy_compile_view(policy)
+    if not view.get("tuning"):
+        raise DsaError(str(path), f"policy {policy.name}'s manifest names no tuning family",
+                       "set `tuning: <family>` in its manifest")
+    return view["tuning"]
+
+
+def _measure_policy(policy, family: str, *, root: Path, target: dict, candidates: List[dict], runs: int,
+                    warmup: int, work: Path) -> tuple:
     """Compiles every candidate for one LeRobot policy's smallest bucket (the MLIR it was built from), checks
-    each against eager LeRobot and times them with eager LeRobot in alternating rounds. Returns (its tuning
-    family, name → result, eager's timing)."""
+    each against eager LeRobot and times them with eager LeRobot in alternating rounds. Returns (name →
+    result, eager's timing)."""
     import torch
 
     from dsa.runtime.policy import CompiledPolicy
-    from dsa.stages.compile import compile_module
 
     compiled = CompiledPolicy(policy.index)
-    index = compiled.index
     base = Path(policy.index).parent
     smallest = compiled.modules[0]
-    entry = next(m for m in index["modules"] if base / m["vmfb"] == smallest.vmfb)
+    entry = next(m for m in compiled.index["modules"] if base / m["vmfb"] == smallest.vmfb)
     mlir = _policy_mlir(base / entry["record"])
     if not mlir.is_file():
         raise DsaError(str(mlir), f"is missing: policy {policy.name} was not built with its MLIR",
                        "run the tuner with `bazel run //bench:tune`, which builds what it reads")
-    view_path, view = _policy_compile_view(policy)
-    compile_view = dict(view, target=target["name"])
-    family = compile_view.get("tuning")
-    if not family:
-        raise DsaError(str(view_path), f"policy {policy.name}'s manifest names no tuning family",
-                       "set `tuning: <family>` in its manifest")
+    compile_view = dict(_policy_compile_view(policy)[1], target=target["name"])
     inputs, observation, steps, _, eager, args, ref = bench.policy_case(policy, compiled)
-    results: Dict[str, dict] = {}
-    modules = {}
-    work.mkdir(parents=True, exist_ok=True)
-    for cand in candidates:
-        tuning = {"format": TUNING_FORMAT, "family": family, "target": target["name"], "flags": cand["flags"],
-                  "runtime_flags": cand.get("runtime_flags", [])}
-        vmfb = work / f"{cand['name']}.vmfb"
-        start = time.perf_counter()
-        try:
-            report = compile_module(mlir, compile_view, target, vmfb,
-                                    where=f"{policy.name} candidate {cand['name']}", tuning=tuning)
-        except DsaError as e:
-            # Paths as the checkout names them: the evidence is committed, this machine's runfiles are not.
-            reason = str(e).replace(f"{root}{os.sep}", "")
-            results[cand["name"]] = {"qualified": False, "reason": f"does not compile: {reason}"}
-            print(f"dsa-tune: {policy.name} {cand['name']}: does not compile", flush=True)
-            continue
-        results[cand["name"]] = {"compile_s": round(time.perf_counter() - start, 2),
-                                 "vmfb_bytes": report["vmfb_bytes"], "cases": {}}
-        modules[cand["name"]] = bench.IreeModule(
-            bench.Built(vmfb, smallest.record, compiled.parameter_archive, report["flags"], {}, 0, 0,
-                        report["vmfb_bytes"]),
-            target["runtime_driver"])
-        print(f"dsa-tune: {policy.name} {cand['name']}: compiled in {results[cand['name']]['compile_s']} s",
-              flush=True)
+    results, modules = _compile_candidates(policy.name, mlir, compile_view, family, smallest.record,
+                                           compiled.parameter_archive, root=root, target=target,
+                                           candidates=candidates, work=work)
     case = ", ".join(["batch=1"] + ([f"steps={steps}"] if steps is not None else []))
     checks = {}
     for name, module in modules.items():
@@ -282,7 +273,7 @@ def _measure_policy(policy, *, root: Path, target: dict, candidates: List[dict],
         print(f"dsa-tune: {policy.name} {name}: {entry['total_median_ms']:.2f} ms, {entry['vs_eager']}x eager"
               f"{'' if entry['qualified'] else ' (parity FAILED)'}", flush=True)
     print(f"dsa-tune: {policy.name} {EAGER}: {eager_timing['median_ms']:.2f} ms", flush=True)
-    return family, results, dict(eager_timing, case=case)
+    return results, dict(eager_timing, case=case)
 
 
 # The name eager LeRobot's timing has among the candidates' (never a candidate's name: candidates.json's
@@ -302,7 +293,7 @@ def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: 
     eager: Dict[str, dict] = {}
     lerobot = bool(policies) and all(m in policies for m in models)
     if lerobot:
-        family = _one_family(models, {m: _policy_compile_view(policies[m])[1].get("tuning") for m in models})
+        family = _one_family(models, {m: _policy_family(policies[m]) for m in models})
         built = [read_module_index(policies[m].index).get("runtime_flags", []) for m in models]
         how = "against eager LeRobot, in the LeRobot environment"
     else:
@@ -324,8 +315,8 @@ def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: 
         check_host(target, f"--target {target_name}")
         per_model = {}
         for model in models:
-            _, per_model[model], eager[model] = _measure_policy(
-                policies[model], root=root, target=target, candidates=candidates, runs=runs, warmup=warmup,
+            per_model[model], eager[model] = _measure_policy(
+                policies[model], family, root=root, target=target, candidates=candidates, runs=runs, warmup=warmup,
                 work=work / model)
     else:
         per_model = {m: _measure_model(m, subjects[m], root=root, target=target, candidates=candidates,
