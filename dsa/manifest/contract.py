@@ -59,10 +59,10 @@ VIEWS: Dict[str, str] = {
 _VIEW_FIELDS: Dict[str, Tuple[str, ...]] = {
     "export": (
         "schema_version", "model_id", "framework", "model", "inputs", "outputs", "chunk_size", "buckets",
-        "quant_scheme",
+        "quant_scheme", "precision",
     ),
-    "params": ("model_id", "checkpoint", "quant_scheme"),
-    "compile": ("model_id", "framework", "quant_scheme", "targets", "tuning"),
+    "params": ("model_id", "checkpoint", "quant_scheme", "precision"),
+    "compile": ("model_id", "framework", "quant_scheme", "precision", "targets", "tuning"),
     "bucket": ("buckets",),
     "runtime": (
         "model_id", "chunk_size", "n_action_steps", "flow_steps", "buckets", "power_profile", "normalization",
@@ -479,6 +479,37 @@ def _semantic_problems(
                     f"'{manifest['framework']}')",
                     f"remove model.{field}, or set framework: lerobot",
                 )
+    precision = manifest.get("precision")
+    if precision is not None:
+        compute = precision.get("compute", "f32")
+        if compute != "f32" and compute != precision["weights"]:
+            yield (
+                ("precision", "compute"),
+                f"compute '{compute}' with weights '{precision['weights']}': a policy computes in f32 or in its "
+                "weights' own precision",
+                f"set precision.weights: {compute}, or precision.compute: f32",
+            )
+        if framework in FILE_FRAMEWORKS and (precision["weights"] != "f32" or compute != "f32"):
+            yield (
+                ("precision",),
+                f"precision is applied by the PyTorch export (frameworks 'pytorch' and 'lerobot'); framework "
+                f"'{framework}' imports model.file with the dtypes it declares",
+                "remove precision, or store the model file's weights in the precision you want",
+            )
+    shards = manifest["checkpoint"].get("shards")
+    if shards is not None:
+        if framework == "onnx":
+            yield (("checkpoint", "shards"), "framework 'onnx' reads its weights from the model's external-data file",
+                   "remove checkpoint.shards")
+        first_shard: Dict[str, int] = {}
+        for i, shard in enumerate(shards):
+            if shard["file"] in first_shard:
+                yield (
+                    ("checkpoint", "shards", i, "file"),
+                    f"duplicate shard '{shard['file']}' (also checkpoint.shards[{first_shard[shard['file']]}])",
+                    "list each shard once",
+                )
+            first_shard.setdefault(shard["file"], i)
     processors = manifest.get("processors")
     if processors is not None and manifest["framework"] != "lerobot":
         yield (
@@ -619,8 +650,12 @@ def project(
             # Quantisation reshapes the exported graph (packed weights, in-graph dequantisation).
             "quant_scheme": m["quant_scheme"],
         }
+        if "precision" in m:  # only when set, so that manifests without it keep their views' bytes
+            result["precision"] = precision_of(m)
     elif view == "params":
         result = {"model_id": m["model_id"], "checkpoint": m["checkpoint"], "quant_scheme": m["quant_scheme"]}
+        if "precision" in m:  # the dtype the archive stores float weights in
+            result["precision"] = precision_of(m)
     elif view == "compile":
         if target not in m["targets"]:
             raise ManifestError(
@@ -631,6 +666,8 @@ def project(
         result = {"model_id": m["model_id"], "quant_scheme": m["quant_scheme"], "target": target}
         if "tuning" in m:  # only when set, so that manifests without it keep their compile views' bytes
             result["tuning"] = m["tuning"]
+        if "precision" in m:  # likewise; the compile stage checks the target has the arithmetic
+            result["precision"] = precision_of(m)
         if m["framework"] in INPUT_TYPES:  # likewise: torch-dialect exports keep their views' bytes
             result["input_type"] = INPUT_TYPES[m["framework"]]
     elif view == "bucket":
@@ -666,6 +703,27 @@ def project(
             # The pipeline bundle checks the config.json it ships against this pin (and reads no manifest).
             result["policy_config"] = m["model"].get("policy_config")
     return copy.deepcopy(result)
+
+
+def precision_of(manifest: Mapping[str, Any]) -> Dict[str, str]:
+    """The manifest's precision with its default filled in: {"weights": ..., "compute": ...}."""
+    precision = manifest.get("precision") or {"weights": "f32"}
+    return {"weights": precision["weights"], "compute": precision.get("compute", "f32")}
+
+
+def check_precision_for_target(manifest: Mapping[str, Any], target: str, spec: Mapping[str, Any],
+                               where: str = "manifest") -> None:
+    """Refuses a `precision.compute` the target's hardware does not have (its spec's `precisions`: the
+    arithmetic it runs natively; f32 always), naming the target and the field."""
+    compute = precision_of(manifest)["compute"]
+    have = ["f32"] + [p for p in spec.get("precisions", []) if p != "f32"]
+    if compute not in have:
+        raise ManifestError(
+            f"target '{target}' has no {compute} arithmetic (its spec lists {', '.join(have)})",
+            file=where, field="precision.compute",
+            hint=f"set precision.compute: f32 (the {precision_of(manifest)['weights']} weights are then widened "
+                 f"where used), or build for a target with {compute} arithmetic",
+        )
 
 
 def explain(manifest: Mapping[str, Any]) -> List[Tuple[str, List[str]]]:
