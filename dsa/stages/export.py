@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -34,6 +35,7 @@ from dsa.core.fileio import read_json, sha256_bytes, sha256_file, write_bytes_at
 from dsa.core.formats import RECORD_FORMAT, ExportRecord
 from dsa.stages.quant import quantize_module
 from dsa.stages.spec import DTYPE_NAMES, ExportSpec, InputSpec
+from dsa.stages.weightless import as_fake, without_weights
 
 PARAMETER_SCOPE = "model"
 # Frameworks whose model is a file imported as it is (the manifest's model.file; dsa.manifest.contract
@@ -350,9 +352,12 @@ def trace_model(
     manifest_name: str = "manifest",
     rewrites: Optional[Sequence[str]] = None,
     policy_config: Optional[Union[str, Path]] = None,
+    weightless: bool = True,
 ) -> Traced:
     """Builds the model the export view names, traces it with torch.export (dynamic dims dynamic, a bucket's
-    dim fixed) and applies the graph rewrites (`rewrites`, default: the view's)."""
+    dim fixed) and applies the graph rewrites (`rewrites`, default: the view's). The model is built without
+    its weights (`weightless`, dsa.stages.weightless); `weightless=False` builds them for real, as rules_dsa
+    did before, for the test that proves both give the same MLIR."""
     import numpy as np
     import torch
     from iree.turbine import aot
@@ -361,10 +366,14 @@ def trace_model(
     view = load_policy_config(view, policy_config, manifest_name)
     entry = load_entry_point(view["model"]["entry_point"], pythonpath)
 
-    # A first call at a nominal size tells us the model's dynamic dims and their minimums.
-    probe = entry(view, NominalDims())
+    # A first call at a nominal size tells us the model's dynamic dims and their minimums. Both calls build the
+    # model without its weights (dsa.stages.weightless): the export never needs their values.
+    building = without_weights if weightless else contextlib.nullcontext
+    with building():
+        probe = entry(view, NominalDims())
     minimums = dict(probe.dim_minimums)
     names = probe.dynamic_dim_names()
+    del probe
     if bucket is not None:
         if bucket["dim"] not in names:
             raise DsaError(
@@ -386,9 +395,12 @@ def trace_model(
         dims = {name: _example_size(minimums.get(name, 1)) for name in names}
         static = set()
 
-    spec: ExportSpec = entry(view, dims)
-    module = spec.module.eval()
-    quantized = quantize_module(module, view.get("quant_scheme", {"kind": "none"}))
+    with building():
+        spec: ExportSpec = entry(view, dims)
+        module = spec.module.eval()
+        quantized = quantize_module(module, view.get("quant_scheme", {"kind": "none"}))
+    if weightless:
+        as_fake(module)  # storage-less weights: the graph and its parameters' names, shapes and dtypes only
     aot.externalize_module_parameters(module, external_scope=PARAMETER_SCOPE)
     rng = np.random.default_rng(EXAMPLE_SEED)
     args = tuple(s.example(rng) for s in spec.inputs)
@@ -442,6 +454,7 @@ def export_model(
     rewrites: Optional[Sequence[str]] = None,
     policy_config: Optional[Union[str, Path]] = None,
     model_file: Optional[Union[str, Path]] = None,
+    weightless: bool = True,
 ) -> dict:
     """Exports the model that `view["model"]["entry_point"]` builds (frameworks pytorch, lerobot), or imports
     the model file (`model_file`, the manifest's model.file: frameworks onnx, stablehlo). Returns the export
@@ -454,7 +467,7 @@ def export_model(
     from iree.turbine import aot
 
     t = trace_model(view, bucket=bucket, pythonpath=pythonpath, manifest_name=manifest_name,
-                    rewrites=rewrites, policy_config=policy_config)
+                    rewrites=rewrites, policy_config=policy_config, weightless=weightless)
     spec, module, exported, traced = t.spec, t.module, t.exported, t.traced_inputs
     minimums, names, static, quantized, where = t.minimums, t.dim_names, t.static, t.quantized, t.where
 

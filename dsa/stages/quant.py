@@ -214,8 +214,11 @@ def _quant_linear_class():
             self.kind = scheme["kind"]
             self.group = group_size_for(scheme, in_f)
             (wdtype, wshape), (_, sshape) = quantized_shapes(out_f, in_f, scheme)
-            self.register_buffer("weight", torch.zeros(wshape, dtype=getattr(torch, wdtype)))
-            self.register_buffer("weight" + SCALE_SUFFIX, torch.ones(sshape, dtype=torch.float32))
+            # On the float weight's device: meta when the export builds the model without weights
+            # (dsa.stages.weightless: a 7B model's packed weights are never allocated there).
+            device = linear.weight.device
+            self.register_buffer("weight", torch.zeros(wshape, dtype=getattr(torch, wdtype), device=device))
+            self.register_buffer("weight" + SCALE_SUFFIX, torch.ones(sshape, dtype=torch.float32, device=device))
             self.bias = linear.bias
             self.in_features, self.out_features = in_f, out_f
 

@@ -177,6 +177,10 @@ def _siglip_positions_in_graph(embeddings) -> None:
     inlined into the MLIR). Checked against the original forward on a probe image."""
     import torch
 
+    from torch.func import functional_call
+
+    from dsa.stages.weightless import stand_in_values
+
     if getattr(embeddings, "_dsa_in_graph", False):
         return
     original = embeddings.forward
@@ -191,11 +195,14 @@ def _siglip_positions_in_graph(embeddings) -> None:
 
     size = embeddings.image_size
     probe = torch.linspace(-1, 1, 3 * size * size).reshape(1, 3, size, size)
+    # Built without weights (the export: dsa.stages.weightless), the check runs on seeded stand-in values.
+    values = stand_in_values(embeddings)
     with torch.no_grad():
-        if not torch.equal(original(probe), forward(probe)):
+        expected = functional_call(embeddings, values, (probe,))
+        embeddings.forward = forward
+        if not torch.equal(expected, functional_call(embeddings, values, (probe,))):
             raise DsaError("SigLIP vision embeddings", "the in-graph position lookup differs from transformers' own",
                            "this transformers version embeds patches differently; update dsa/frontends/lerobot/pi.py")
-    embeddings.forward = forward
     embeddings._dsa_in_graph = True
 
 

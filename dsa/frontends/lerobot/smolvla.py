@@ -194,6 +194,10 @@ def _full_mask_vision_embeddings(policy) -> None:
     boundaries <= x. Checked against the original forward on a probe image."""
     import torch
 
+    from torch.func import functional_call
+
+    from dsa.stages.weightless import stand_in_values
+
     vision = policy.model.vlm_with_expert.get_vlm_model().vision_model
     emb = vision.embeddings
     if getattr(emb, "_dsa_full_mask", False):
@@ -222,9 +226,14 @@ def _full_mask_vision_embeddings(policy) -> None:
 
     probe = torch.linspace(-1, 1, 3 * emb.image_size ** 2).reshape(1, 3, emb.image_size, emb.image_size)
     side = emb.image_size // emb.patch_size
+    # Built without weights (the export: dsa.stages.weightless), the check runs on seeded stand-in values.
+    values = stand_in_values(emb)
     with torch.no_grad():
-        want = original(pixel_values=probe, patch_attention_mask=torch.ones(1, side, side, dtype=torch.bool))
-        got = forward(probe)
+        want = functional_call(emb, values, (), {"pixel_values": probe,
+                                                 "patch_attention_mask": torch.ones(1, side, side, dtype=torch.bool)})
+        emb.forward = forward
+        got = functional_call(emb, values, (probe,))
+        emb.forward = original
     if not torch.equal(want, got):
         raise DsaError("SmolVLM vision embeddings", "the full-mask embedding differs from transformers' own",
                        "this transformers version embeds patches differently; update dsa/frontends/lerobot/smolvla.py")
