@@ -33,7 +33,8 @@ from dsa.core.determinism import pin_math_libraries
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, sha256_bytes, sha256_file, write_bytes_atomic
 from dsa.core.formats import RECORD_FORMAT, ExportRecord
-from dsa.stages.quant import quantize_module
+from dsa.stages.precision import apply_precision
+from dsa.stages.quant import quantize_module, scale_name
 from dsa.stages.spec import DTYPE_NAMES, ExportSpec, InputSpec
 from dsa.stages.weightless import as_fake, without_weights
 
@@ -297,6 +298,7 @@ class Traced:
     quantized: dict
     rewrites: Dict[str, int]  # rewrite pass → number of rewrites it made
     where: str
+    precision: Optional[dict] = None  # the manifest's precision, when not f32
 
 
 def _has_inplace_ops(exported) -> bool:
@@ -401,6 +403,8 @@ def trace_model(
         quantized = quantize_module(module, view.get("quant_scheme", {"kind": "none"}))
     if weightless:
         as_fake(module)  # storage-less weights: the graph and its parameters' names, shapes and dtypes only
+    # The manifest's precision: weights stored in bf16 / f16 (widened where read, or computed in).
+    precision = apply_precision(module, view, keep=list(quantized) + [scale_name(n) for n in quantized])
     aot.externalize_module_parameters(module, external_scope=PARAMETER_SCOPE)
     rng = np.random.default_rng(EXAMPLE_SEED)
     args = tuple(s.example(rng) for s in spec.inputs)
@@ -438,7 +442,7 @@ def trace_model(
         from dsa.stages import passes
 
         exported, counts = passes.apply_passes(exported, names_to_apply)
-    return Traced(spec, module, exported, traced, minimums, names, static, quantized, counts, where)
+    return Traced(spec, module, exported, traced, minimums, names, static, quantized, counts, where, precision)
 
 
 def export_model(
@@ -544,6 +548,8 @@ def export_model(
         record["policy_config_sha256"] = view["model"]["policy_config"]["sha256"]
     if quantized:
         record["quantization"] = {"scheme": view["quant_scheme"], "tensors": quantized}
+    if t.precision is not None:  # absent for f32: existing records keep their bytes
+        record["precision"] = t.precision
     if bucket is not None:
         record["bucket"] = {"dim": bucket["dim"], "size": bucket["size"], "slot": bucket["slot"]}
         if reference_record is not None:

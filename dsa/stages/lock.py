@@ -14,7 +14,7 @@ import argparse
 import os
 import dataclasses
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, sha256_file
@@ -47,10 +47,12 @@ def make_lock(
     policy_config: Optional[Path] = None,
     export_identity: Optional[dict] = None,
     model_file: Optional[Path] = None,
+    checkpoint_shards: Sequence[Path] = (),
 ) -> dict:
     """`tuning`: (repository-relative key, path) of the tuning file the modules were compiled with.
     `policy_config`: framework lerobot, the policy's config.json; `export_identity`: the environment the
-    export ran in when it is not `identity`'s (LeRobot policies)."""
+    export ran in when it is not `identity`'s (LeRobot policies). `checkpoint_shards`: a sharded checkpoint's
+    shard files (`checkpoint` is then its index), recorded by file name."""
     compile_view = read_json(views["compile"])
     modules_out = []
     artifacts: Dict[str, str] = {"params.irpa": sha256_file(params)}
@@ -75,7 +77,7 @@ def make_lock(
         "target": compile_view["target"],
         "manifest": {"sha256": sha256_file(manifest)},
         "views": {name: sha256_file(path) for name, path in sorted(views.items())},
-        "checkpoint": {"sha256": sha256_file(checkpoint)},
+        "checkpoint": _checkpoint_entry(checkpoint, checkpoint_shards),
         "model_sources": {key: sha256_file(path) for key, path in sorted(model_sources.items())},
         "tool_sources": {key: sha256_file(path) for key, path in sorted(tool_sources.items())},
         "toolchain": identity,
@@ -93,6 +95,15 @@ def make_lock(
         key, path = tuning
         lock["tuning"] = {"path": key, "sha256": sha256_file(path), "flags": read_json(path)["flags"]}
     return lock
+
+
+def _checkpoint_entry(checkpoint: Path, shards: Sequence[Path]) -> dict:
+    """The checkpoint's digest; for a sharded checkpoint also each shard's, by file name (absent otherwise, so
+    that single-file locks keep their bytes)."""
+    entry = {"sha256": sha256_file(checkpoint)}
+    if shards:
+        entry["shards"] = {Path(s).name: sha256_file(s) for s in sorted(shards, key=lambda s: Path(s).name)}
+    return entry
 
 
 # The layers of the dsa package whose code the actions a lock covers run (//dsa:stage_code); runtime/ and
@@ -130,7 +141,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="dsa-lock", description=__doc__.splitlines()[0])
     parser.add_argument("--manifest", required=True)
     parser.add_argument("--view", action="append", default=[], help="NAME=PATH of a manifest view")
-    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--checkpoint", required=True, help="the checkpoint file (a sharded one's index)")
+    parser.add_argument("--checkpoint-shard", action="append", default=[], help="a sharded checkpoint's shard")
     parser.add_argument("--model-source", action="append", default=[], help="KEY=PATH")
     parser.add_argument("--tool-source", action="append", default=[], help="KEY=PATH")
     parser.add_argument("--identity", required=True, help="identity.json of the Python environment")
@@ -170,6 +182,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         policy_config=Path(a.policy_config) if a.policy_config else None,
         model_file=Path(a.model_file) if a.model_file else None,
         export_identity=read_json(a.export_identity) if a.export_identity else None,
+        checkpoint_shards=[Path(s) for s in a.checkpoint_shard],
     )
     Lock.write(a.out, lock)
     if a.index_out:

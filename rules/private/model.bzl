@@ -21,10 +21,33 @@ def _model_sources(deps):
 def _out(ctx, basename):
     return ctx.actions.declare_file("%s/%s" % (ctx.label.name, basename))
 
+def checkpoint_files(label, files):
+    """(the checkpoint file, its shards) of a `checkpoint` attribute's files: one weights file, or a sharded
+    checkpoint — its model.safetensors.index.json and the shard files, all in the index's directory."""
+    if len(files) == 1:
+        return files[0], []
+    indexes = [f for f in files if f.basename.endswith(".index.json")]
+    if len(indexes) != 1:
+        fail("%s: `checkpoint` must be one weights file, or a sharded checkpoint's index " % label +
+             "(model.safetensors.index.json) and its shards; got %d files, %d index files" % (len(files), len(indexes)))
+    index = indexes[0]
+    shards = [f for f in files if f != index]
+    for shard in shards:
+        if not shard.basename.endswith(".safetensors"):
+            fail("%s: checkpoint shard %s is not a .safetensors file" % (label, shard.short_path))
+        if shard.dirname != index.dirname:
+            fail("%s: checkpoint shard %s is not in the directory of its index %s (the index names shards by file name)" % (
+                label,
+                shard.short_path,
+                index.short_path,
+            ))
+    return index, sorted(shards, key = lambda f: f.basename)
+
 def _dsa_model_impl(ctx):
     name = ctx.label.name
     manifest = ctx.file.manifest
     identity = ctx.file._toolchain_identity
+    checkpoint, shards = checkpoint_files(ctx.label, ctx.files.checkpoint)
 
     export_view = _out(ctx, "export_view.json")
     params_view = _out(ctx, "params_view.json")
@@ -66,7 +89,7 @@ def _dsa_model_impl(ctx):
 
     params = _out(ctx, "params.irpa")
     args = ctx.actions.args()
-    args.add("--checkpoint", ctx.file.checkpoint)
+    args.add("--checkpoint", checkpoint)
     args.add("--view", params_view)
     args.add("--record", record)
     args.add("--manifest-name", manifest.short_path)
@@ -74,10 +97,10 @@ def _dsa_model_impl(ctx):
     ctx.actions.run(
         executable = ctx.executable._params_tool,
         arguments = [args],
-        inputs = [ctx.file.checkpoint, params_view, record, identity],
+        inputs = [checkpoint, params_view, record, identity] + shards,
         outputs = [params],
         mnemonic = "DsaParams",
-        progress_message = "Checking %s and writing its parameter archive" % ctx.file.checkpoint.short_path,
+        progress_message = "Checking %s and writing its parameter archive" % checkpoint.short_path,
         env = ACTION_ENV,
         execution_requirements = execution_requirements(ctx),
     )
@@ -89,7 +112,8 @@ def _dsa_model_impl(ctx):
             manifest = manifest,
             export_view = export_view,
             params_view = params_view,
-            checkpoint = ctx.file.checkpoint,
+            checkpoint = checkpoint,
+            checkpoint_shards = shards,
             runtime_view = runtime_view,
             mlir = mlir,
             export_record = record,
@@ -115,7 +139,7 @@ export (DsaExport) reads only the manifest's export view and the model code or f
 architecture reruns DsaParams alone.""",
     attrs = dict(TOOL_ATTRS, **dict(ENV_ATTRS, **{
         "manifest": attr.label(mandatory = True, allow_single_file = [".yaml", ".yml"], doc = "Deployment manifest."),
-        "checkpoint": attr.label(mandatory = True, allow_single_file = [".safetensors", ".onnx", ".data", ".bin"], doc = "Checkpoint: safetensors; for framework onnx the model's external-data file (or the .onnx file when its weights are inline). Its sha256 must match the manifest's."),
+        "checkpoint": attr.label(mandatory = True, allow_files = [".safetensors", ".json", ".onnx", ".data", ".bin"], doc = "Checkpoint: a safetensors file, or a sharded checkpoint (a filegroup of its model.safetensors.index.json and its shards, in one directory); for framework onnx the model's external-data file (or the .onnx file when its weights are inline). Its sha256 (and each shard's) must match the manifest's."),
         "model_file": attr.label(allow_single_file = [".onnx", ".mlir"], doc = "frameworks onnx, stablehlo: the model file the export imports (its sha256 must match the manifest's model.file)."),
         "policy_config": attr.label(allow_single_file = [".json"], doc = "framework lerobot: the policy's config.json (its sha256 must match the manifest's model.policy_config)."),
         "deps": attr.label_list(providers = [PyInfo], doc = "py_library targets holding the model code."),

@@ -8,6 +8,12 @@ def _dsa_pte_impl(ctx):
     pte = ctx.actions.declare_file(ctx.label.name + ".pte")
     record = ctx.actions.declare_file(ctx.label.name + ".pte_record.json")
     env = python_env_of(ctx.attr.python_env)
+    if model.checkpoint_shards:
+        fail("dsa_pte %s: the ExecuTorch Plan B reads one checkpoint file; %s is sharded (%d shards)" % (
+            ctx.label,
+            model.checkpoint.short_path,
+            len(model.checkpoint_shards),
+        ))
     tool_sources = stage_sources(ctx.attr._stage_code, model.model_sources)
     args = ctx.actions.args()
     args.add("--view", model.export_view)

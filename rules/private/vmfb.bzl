@@ -14,6 +14,7 @@ def _lock_action(ctx, lock, index, spec, model, target, tuning, compile_view, bu
     args.add("--manifest", model.manifest)
     args.add_all(["%s=%s" % (k, v.path) for k, v in sorted(views.items())], before_each = "--view")
     args.add("--checkpoint", model.checkpoint)
+    args.add_all(model.checkpoint_shards, before_each = "--checkpoint-shard")
     args.add_all(["%s=%s" % (repo_relative(f), f.path) for f in model.own_sources], before_each = "--model-source")
     args.add_all(["%s=%s" % (repo_relative(f), f.path) for f in tool_sources], before_each = "--tool-source")
     args.add("--identity", ctx.file._toolchain_identity)
@@ -45,6 +46,7 @@ def _lock_action(ctx, lock, index, spec, model, target, tuning, compile_view, bu
         arguments = [args],
         inputs = depset(
             [model.manifest, model.checkpoint, ctx.file._toolchain_identity, target.spec, model.params] +
+            model.checkpoint_shards +
             views.values() + model.own_sources + tool_sources + mlirs + records + vmfbs + reports + extra +
             ([tuning] if tuning else []) + [spec, model.runtime_view],
         ),

@@ -16,4 +16,5 @@ RULE_SET_TARGETS = [
     "vulkan-rdna3",
     "x86_64-v3",
     "x86_64-v4",
+    "x86_64-v4-bf16",
 ]
