@@ -1,23 +1,35 @@
 """DsaParams: checkpoint + the manifest's params view + the export record → an IREE parameter archive (.irpa).
 
-The checkpoint is checked against the manifest's pinned sha256, then tensor by tensor against the export
-record: every parameter the compiled module will ask for must be present with the recorded shape and dtype,
-and nothing else may be in the file. (The IREE runtime itself does not notice a transposed or oversized
-tensor.) Entries are written in name order with shape/dtype metadata, so the archive is deterministic and
-self-describing. Only this stage reads the checkpoint: a weights-only change reruns it and nothing else.
+The checkpoint (a .safetensors file, a sharded safetensors checkpoint through its index, or an ONNX model's
+weights) is checked against the manifest's pinned sha256 (the index's and every shard's), then against the
+export record: every parameter the compiled module will ask for must be present with the recorded shape and
+dtype (or one that converts to it: `_conversion`), and nothing else may be in the file. (The IREE runtime
+itself does not notice a transposed or oversized tensor.) All of that is checked from the files' headers
+before anything is written; then each tensor is read, checked for NaN / Inf, converted (precision) or
+quantised (quant_scheme), written and dropped, one at a time (dsa.stages.tensor_files, dsa.stages.irpa):
+memory stays bounded by the largest tensor, whatever the checkpoint's size. Entries are written in name
+order with shape/dtype metadata, so the archive is deterministic and self-describing — byte-identical to
+what IREE's `ParameterIndex` writes for them. Only this stage reads the checkpoint: a weights-only change
+reruns it and nothing else.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
+import os
 from pathlib import Path
 from typing import List, Optional
 
 from dsa.core.determinism import pin_math_libraries
 from dsa.core.errors import DsaError, run_cli
-from dsa.core.fileio import atomic_output, read_json, sha256_file
+from dsa.core.fileio import atomic_output, read_json
+from dsa.stages.irpa import IrpaEntry, IrpaWriter
 from dsa.stages.quant import SCALE_SUFFIX, quantize_weight, scale_name, source_of
+from dsa.stages.tensor_files import (FLOAT_DTYPES, TensorInfo, TensorSource, check_shards, dtype_name, numpy_dtype,
+                                     open_safetensors, read_index, read_range, sha256_streamed, shard_path)
 
 # Same metadata form as iree-turbine's ParameterArchiveBuilder, so turbine's ParameterArchive reads it back.
 from dsa.core.formats import PARAMETER_METADATA_PREFIX as _METADATA_PREFIX
@@ -28,42 +40,64 @@ def _metadata(dtype: str, shape) -> str:
     return _METADATA_PREFIX + json.dumps({"type": "Tensor", "dtype": dtype, "shape": list(shape)})
 
 
+def _precision_weights(view: dict) -> str:
+    """The params view's precision.weights (dsa.manifest.contract.precision_of: absent means f32)."""
+    return (view.get("precision") or {"weights": "f32"})["weights"]
+
+
 def check_checkpoint_digest(checkpoint: Path, view: dict, manifest_name: str = "manifest") -> None:
-    """The checkpoint must be the one the manifest pins (checkpoint.sha256)."""
-    expected_sha = view["checkpoint"]["sha256"]
-    actual_sha = sha256_file(checkpoint)
+    """The checkpoint must be the one the manifest pins (checkpoint.sha256). For a sharded checkpoint
+    (checkpoint.shards), `checkpoint` is its index: the index must be the pinned one, name exactly the listed
+    shards, and every shard beside it must have its pinned digest. Streamed: nothing is held in memory."""
+    pin = view["checkpoint"]
+    shards = pin.get("shards")
+    expected_sha = pin["sha256"]
+    actual_sha = sha256_streamed(checkpoint)
     if actual_sha != expected_sha:
+        what = "checkpoint index" if shards else "checkpoint"
         raise DsaError(
             f"{manifest_name}: checkpoint.sha256",
-            f"checkpoint {checkpoint} has sha256 {actual_sha}, but the manifest pins {expected_sha}",
+            f"{what} {checkpoint} has sha256 {actual_sha}, but the manifest pins {expected_sha}",
             "if this checkpoint is the one you mean to ship, set checkpoint.sha256 to the new digest",
         )
+    if shards is None:
+        return
+    check_shards(checkpoint, read_index(checkpoint), [s["file"] for s in shards], manifest_name)
+    for i, shard in enumerate(shards):
+        path = shard_path(checkpoint, shard["file"])
+        actual = sha256_streamed(path)
+        if actual != shard["sha256"]:
+            raise DsaError(
+                f"{manifest_name}: checkpoint.shards[{i}].sha256",
+                f"shard {path} has sha256 {actual}, but the manifest pins {shard['sha256']}",
+                f"if this shard is the one you mean to ship, set checkpoint.shards[{i}].sha256 to the new digest",
+            )
 
 
-def open_checkpoint(checkpoint: Path, framework: str = "pt"):
-    """The checkpoint's safetensors handle, or the one-line error for a file that is not one (garbage, a
-    truncated file, a header that claims exabytes: safetensors checks the header against the file size)."""
-    from safetensors import SafetensorError, safe_open
+def open_checkpoint(checkpoint: Path, framework: str = "numpy", view: Optional[dict] = None,
+                    manifest_name: str = "manifest") -> TensorSource:
+    """The checkpoint's tensors (a `dsa.stages.tensor_files.TensorSource`, read one tensor at a time), or the
+    one-line error for a file that is not a safetensors file (garbage, a truncated file, a header that claims
+    exabytes: safetensors checks the header against the file size). A sharded checkpoint when the params
+    `view` lists shards (held to that list), or when `checkpoint` is a .json index. `framework` is accepted
+    for older callers; the tensors are numpy arrays."""
+    shards = (view or {}).get("checkpoint", {}).get("shards")
+    listed = [s["file"] for s in shards] if shards is not None else None
+    return open_safetensors(checkpoint, listed, manifest_name)
 
-    try:
-        return safe_open(str(checkpoint), framework=framework)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise DsaError(str(checkpoint), f"not a readable safetensors file: {e}",
-                       "point checkpoint.path at a .safetensors file") from None
 
-
-class OnnxTensors:
+class OnnxTensors(TensorSource):
     """An ONNX model's weights by parameter name, as an ONNX export record places them (framework onnx):
     slices of the external-data file at the recorded offsets, or — when `checkpoint` is the .onnx file itself
-    — its inline initializers. The same interface as a safetensors handle: keys(), get_tensor(name)."""
+    — its inline initializers. A `TensorSource` like the safetensors readers: each slice is checked against
+    the file's size and the recorded shape and dtype by `info`, before anything is written, and read alone by
+    `read`."""
 
     def __init__(self, checkpoint: Path, record: dict):
-        import numpy as np
-
         self.path = Path(checkpoint)
         self.entries = {p["name"]: p for p in record["parameters"]}
         self.inline = None
-        self._np = np
+        self._fd: Optional[int] = None
         external = [p for p in record["parameters"] if not p["onnx"].get("inline")]
         if any(p["onnx"].get("inline") for p in record["parameters"]) or self.path.suffix == ".onnx":
             import onnx
@@ -84,71 +118,101 @@ class OnnxTensors:
     def keys(self):
         return list(self.entries)
 
-    def get_tensor(self, name: str):
-        import torch
-        from onnx import numpy_helper
+    def where(self, name: str) -> str:
+        return str(self.path)
 
-        from dsa.stages.spec import DTYPE_NAMES
+    def _initializer(self, name: str):
+        source = self.entries[name]["onnx"]
+        if source["initializer"] not in self.inline:
+            raise DsaError(f"{self.path}: tensor '{name}'", f"the model has no initializer '{source['initializer']}'",
+                           "use the .onnx file the model was exported from")
+        return self.inline[source["initializer"]]
 
+    def info(self, name: str) -> TensorInfo:
         entry = self.entries[name]
         source = entry["onnx"]
         if source.get("inline"):
-            array = numpy_helper.to_array(self.inline[source["initializer"]])
-        else:
-            offset, length = source["offset"], source["length"]
-            if length is None or offset < 0 or offset + length > self.size:
-                raise DsaError(f"{self.path}: tensor '{name}'",
-                               f"lies at bytes {offset}..{offset + (length or 0)}, past the file's {self.size} bytes",
-                               "use the external-data file saved with this .onnx graph")
-            dtype = {v: k for k, v in DTYPE_NAMES.items()}[entry["dtype"]]
-            with open(self.path, "rb") as f:
-                f.seek(offset)
-                data = f.read(length)
-            tensor = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
-            count = 1
-            for d in entry["shape"]:
-                count *= d
-            if tensor.numel() != count:
-                raise DsaError(f"{self.path}: tensor '{name}'",
-                               f"has {tensor.numel()} values at its recorded place, the model expects {count}",
-                               "use the external-data file saved with this .onnx graph")
-            return tensor.reshape(entry["shape"])
-        return torch.from_numpy(self._np.ascontiguousarray(array))
+            from onnx.helper import tensor_dtype_to_np_dtype
+
+            tensor = self._initializer(name)
+            dtype = dtype_name(tensor_dtype_to_np_dtype(tensor.data_type))
+            shape = tuple(int(d) for d in tensor.dims)
+            return TensorInfo(dtype, shape, math.prod(shape) * numpy_dtype(dtype).itemsize)
+        offset, length = source["offset"], source["length"]
+        if length is None or offset < 0 or offset + length > self.size:
+            raise DsaError(f"{self.path}: tensor '{name}'",
+                           f"lies at bytes {offset}..{offset + (length or 0)}, past the file's {self.size} bytes",
+                           "use the external-data file saved with this .onnx graph")
+        itemsize = numpy_dtype(entry["dtype"]).itemsize
+        count = math.prod(entry["shape"])
+        if length != count * itemsize:
+            found = f"{length // itemsize} values" if length % itemsize == 0 else f"{length} bytes"
+            raise DsaError(f"{self.path}: tensor '{name}'",
+                           f"has {found} at its recorded place, the model expects {count}",
+                           "use the external-data file saved with this .onnx graph")
+        return TensorInfo(entry["dtype"], tuple(entry["shape"]), length)
+
+    def read(self, name: str):
+        import numpy as np
+
+        info = self.info(name)
+        source = self.entries[name]["onnx"]
+        if source.get("inline"):
+            from onnx import numpy_helper
+
+            return np.array(numpy_helper.to_array(self._initializer(name)), copy=True, order="C")
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        return read_range(self._fd, source["offset"], info.nbytes, numpy_dtype(info.dtype), info.shape,
+                          str(self.path))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
-def open_tensors(checkpoint: Path, record: dict):
-    """The checkpoint's tensors by parameter name: a safetensors handle, or for an ONNX export (framework
-    onnx) the model's weights where its record places them."""
+def open_tensors(checkpoint: Path, record: dict, view: Optional[dict] = None,
+                 manifest_name: str = "manifest") -> TensorSource:
+    """The checkpoint's tensors by parameter name: a safetensors file or sharded checkpoint, or for an ONNX
+    export (framework onnx) the model's weights where its record places them."""
     if record.get("framework") == "onnx":
         return OnnxTensors(checkpoint, record)
-    return open_checkpoint(checkpoint)
+    return open_checkpoint(checkpoint, view=view, manifest_name=manifest_name)
 
 
-def build_params(
-    checkpoint: Path,
-    view: dict,
-    record: dict,
-    out_irpa: Path,
-    *,
-    manifest_name: str = "manifest",
-) -> None:
-    import iree.runtime as rt
-    import torch
+_CHECKPOINT_FLOATS = ("float32", "bfloat16", "float16")
 
-    from dsa.stages.spec import DTYPE_NAMES
 
-    check_checkpoint_digest(checkpoint, view, manifest_name)
-    scheme = view["quant_scheme"]
+def _conversion(have: str, want: str, weights: str) -> Optional[str]:
+    """How a checkpoint tensor of dtype `have` becomes the archive's `want`: "same"; "round" (to bf16 / f16,
+    nearest even, when the manifest's precision.weights stores half-precision weights); "widen" (a bf16 or
+    f16 tensor to float32: exact, always allowed); None: refused."""
+    if have == want:
+        return "same"
+    if want in ("bfloat16", "float16") and weights in ("bf16", "f16") and have in _CHECKPOINT_FLOATS:
+        return "round"
+    if want == "float32" and have in ("bfloat16", "float16"):
+        return "widen"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One checkpoint tensor → one archive entry (two for a quantised weight: the packed weight, its scales)."""
+
+    name: str
+    have: TensorInfo
+    want_dtype: str
+    conversion: str
+    quantized: bool
+
+
+def _plan(source: TensorSource, view: dict, record: dict, checkpoint: Path, manifest_name: str):
+    """(steps, archive entries): everything checked that needs no tensor data — missing and extra tensors,
+    shapes, dtypes and their conversions — so that a wrong checkpoint is refused before anything is written."""
     quantization = record.get("quantization", {"scheme": {"kind": "none"}, "tensors": {}})
-    if quantization["scheme"] != scheme:
-        raise DsaError(
-            f"{manifest_name}: quant_scheme",
-            f"the params view asks for {scheme} but the model was exported for {quantization['scheme']}",
-            "build the parameter archive and the export from the same manifest",
-        )
     quantized = quantization["tensors"]
-
-    handle = open_tensors(checkpoint, record)
     # What the checkpoint must hold: the float weight behind each quantised tensor, every other parameter
     # as recorded; scales are derived, not read.
     wanted = {}
@@ -160,7 +224,7 @@ def build_params(
         else:
             wanted[p["name"]] = p
     recorded = {p["name"]: p for p in record["parameters"]}
-    present = set(handle.keys())
+    present = set(source.keys())
     missing = sorted(set(wanted) - present)
     # Tensors of the model that inference never reads (ACT's training-only VAE encoder) are in a real
     # checkpoint but not in the graph: the export record names them, and they are left out of the archive.
@@ -175,47 +239,127 @@ def build_params(
         raise DsaError(str(checkpoint), "; ".join(parts),
                        "use a checkpoint of the same architecture as the manifest's model.config")
 
-    allow_nonfinite = bool(view["checkpoint"].get("allow_nonfinite", False))
-    index = rt.ParameterIndex()
+    weights = _precision_weights(view)
+    steps, entries = [], []
     for name in sorted(wanted):
-        tensor = handle.get_tensor(name)
         want = wanted[name]
-        if tensor.is_floating_point() and not allow_nonfinite and tensor.numel():
-            finite = torch.isfinite(tensor)
-            if not bool(finite.all()):
-                count = int(tensor.numel() - finite.sum())
-                raise DsaError(f"{checkpoint}: tensor '{name}'",
-                               f"holds {count} NaN or infinite value{'s' if count != 1 else ''}: a policy with such "
-                               "weights outputs NaN actions",
-                               f"use a healthy checkpoint (or set checkpoint.allow_nonfinite: true in "
-                               f"{manifest_name} to pack it as it is)")
-        dtype = DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
-        if list(tensor.shape) != want["shape"] or dtype != want["dtype"]:
+        have = source.info(name)
+        conversion = _conversion(have.dtype, want["dtype"], weights)
+        if list(have.shape) != list(want["shape"]) or conversion is None:
+            hint = "use a checkpoint of the same architecture as the manifest's model.config"
+            if list(have.shape) == list(want["shape"]) and {have.dtype, want["dtype"]} <= set(_CHECKPOINT_FLOATS):
+                hint = (f"the archive stores it as {want['dtype']}: a checkpoint's float32, bfloat16 or float16 "
+                        f"tensor is rounded to bfloat16 / float16 when precision.weights in {manifest_name} says so "
+                        "(as for the export), and a bfloat16 or float16 tensor is widened to float32")
             raise DsaError(
-                f"{checkpoint}: tensor '{name}'",
-                f"has shape {list(tensor.shape)} {dtype}, the exported model expects {want['shape']} {want['dtype']}",
-                "use a checkpoint of the same architecture as the manifest's model.config",
+                f"{source.where(name)}: tensor '{name}'",
+                f"has shape {list(have.shape)} {have.dtype}, the exported model expects {want['shape']} {want['dtype']}",
+                hint,
             )
-        if name in quantized:
-            parts = quantize_weight(tensor.numpy(), scheme)
-            for key, array in ((name, parts[""]), (scale_name(name), parts[SCALE_SUFFIX])):
-                want = recorded[key]
-                got = DTYPE_NAMES[torch.from_numpy(array).dtype]
-                if list(array.shape) != want["shape"] or got != want["dtype"]:
-                    raise DsaError(key, f"quantised to {list(array.shape)} {got}, the export expects "
-                                        f"{want['shape']} {want['dtype']} (export and params disagree)")
-                index.add_buffer(key, array.tobytes(), metadata=_metadata(got, array.shape))
-            continue
-        data = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-        index.add_buffer(name, data, metadata=_metadata(dtype, tensor.shape))
-    with atomic_output(out_irpa) as tmp:
-        index.create_archive_file(str(tmp))
+        steps.append(_Step(name, have, want["dtype"], conversion, name in quantized))
+        keys = (name, scale_name(name)) if name in quantized else (name,)
+        for key in keys:
+            if key not in recorded:
+                raise DsaError(f"export record: {key}", "is not among the record's parameters",
+                               "build the parameter archive and the export from the same manifest")
+            out = recorded[key] if name in quantized else want
+            nbytes = math.prod(out["shape"]) * numpy_dtype(out["dtype"]).itemsize
+            entries.append(IrpaEntry(key, nbytes, _metadata(out["dtype"], out["shape"])))
+    return steps, entries
+
+
+def _count(mask_of, array, chunk: int = 1 << 24) -> int:
+    """How many values of `array` `mask_of` is true for, in chunks (a mask of 16 Mi values at most)."""
+    import numpy as np
+
+    flat = array.reshape(-1)
+    return sum(int(np.count_nonzero(mask_of(flat[i:i + chunk]))) for i in range(0, flat.size, chunk))
+
+
+def _round(array, want: str, where: str, manifest_name: str):
+    """The float tensor rounded to nearest even in bfloat16 (ml_dtypes' cast) or float16 (numpy's): both
+    round to nearest even, bit for bit as torch's `.to(dtype)` does (tests/weights/params_test.py). A finite
+    value beyond float16's range would become infinite: refused."""
+    import numpy as np
+
+    rounded = array.astype(numpy_dtype(want))
+    if want == "float16" and array.dtype.name != "float16":
+        # Rounding turns no infinity finite and no NaN infinite: every new infinity was a finite value.
+        overflow = _count(np.isinf, rounded) - _count(np.isinf, array)
+        if overflow:
+            raise DsaError(where, f"holds {overflow} finite value{'s' if overflow != 1 else ''} beyond float16's "
+                                  "range (±65504), which would round to infinity",
+                           f"store the weights as bf16 (precision.weights: bf16 in {manifest_name}), whose range is "
+                           "float32's")
+    return rounded
+
+
+def build_params(
+    checkpoint: Path,
+    view: dict,
+    record: dict,
+    out_irpa: Path,
+    *,
+    manifest_name: str = "manifest",
+) -> None:
+    """Writes the parameter archive, streamed: the checkpoint is checked whole (digests, names, shapes, dtypes)
+    before anything is written, then read, checked, converted and written one tensor at a time, so memory
+    stays bounded by the largest tensor (times a small constant for conversion or quantisation), whatever
+    the checkpoint's size. The archive is byte-identical to IREE's own `ParameterIndex` writer's."""
+    check_checkpoint_digest(checkpoint, view, manifest_name)
+    scheme = view["quant_scheme"]
+    quantization = record.get("quantization", {"scheme": {"kind": "none"}, "tensors": {}})
+    if quantization["scheme"] != scheme:
+        raise DsaError(
+            f"{manifest_name}: quant_scheme",
+            f"the params view asks for {scheme} but the model was exported for {quantization['scheme']}",
+            "build the parameter archive and the export from the same manifest",
+        )
+    import numpy as np
+
+    recorded = {p["name"]: p for p in record["parameters"]}
+    allow_nonfinite = bool(view["checkpoint"].get("allow_nonfinite", False))
+    with open_tensors(checkpoint, record, view, manifest_name) as source:
+        steps, entries = _plan(source, view, record, checkpoint, manifest_name)
+        with atomic_output(out_irpa) as tmp, IrpaWriter(tmp, entries, where=str(out_irpa)) as writer:
+            for step in steps:
+                name = step.name
+                where = f"{source.where(name)}: tensor '{name}'"
+                array = source.read(name)
+                if step.have.dtype in FLOAT_DTYPES and not allow_nonfinite and array.size:
+                    count = array.size - _count(np.isfinite, array)
+                    if count:
+                        raise DsaError(where, f"holds {count} NaN or infinite value{'s' if count != 1 else ''}: "
+                                              "a policy with such weights outputs NaN actions",
+                                       f"use a healthy checkpoint (or set checkpoint.allow_nonfinite: true in "
+                                       f"{manifest_name} to pack it as it is)")
+                if step.quantized:
+                    weight = array if step.have.dtype == "float32" else array.astype("float32")
+                    del array
+                    parts = quantize_weight(weight, scheme)
+                    del weight
+                    for key, part in ((name, parts[""]), (scale_name(name), parts[SCALE_SUFFIX])):
+                        want = recorded[key]
+                        got = dtype_name(part.dtype)
+                        if list(part.shape) != want["shape"] or got != want["dtype"]:
+                            raise DsaError(key, f"quantised to {list(part.shape)} {got}, the export expects "
+                                                f"{want['shape']} {want['dtype']} (export and params disagree)")
+                        writer.write(key, part)
+                    del parts
+                    continue
+                if step.conversion == "widen":
+                    array = array.astype("float32")
+                elif step.conversion == "round":
+                    array = _round(array, step.want_dtype, where, manifest_name)
+                writer.write(name, array)
+                del array
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     pin_math_libraries()  # before any computation: dsa.core.determinism
     parser = argparse.ArgumentParser(prog="dsa-params", description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--checkpoint", required=True,
+                        help="the .safetensors file (a sharded checkpoint: its index, the shards beside it)")
     parser.add_argument("--view", required=True, help="the manifest's params view (JSON)")
     parser.add_argument("--record", required=True, help="the model's export record (JSON)")
     parser.add_argument("--manifest-name", default="manifest")

@@ -41,7 +41,10 @@ def checkpoint_files(label, files):
                 shard.short_path,
                 index.short_path,
             ))
-    return index, sorted(shards, key = lambda f: f.basename)
+    return index, sorted(shards, key = _basename)
+
+def _basename(f):
+    return f.basename
 
 def _dsa_model_impl(ctx):
     name = ctx.label.name
