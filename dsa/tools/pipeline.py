@@ -3,18 +3,25 @@
     bin/dsa compile --manifest manifests/pi0.yaml --out out/pi0 [--checkpoint FILE | --seeded-checkpoint 0]
 
 Runs the same stage functions the Bazel rules run, in the same order: manifest views → export → parameter
-archive → one export per shape bucket → compile for every target the manifest lists → module index. It
-has no cache: every run does all the work (that is what Bazel adds).
+archive → one export per shape bucket → compile for every target the manifest lists → module index.
+
+What a stage finished is kept in a cache (dsa.tools.compile_cache: ~/.cache/rules_dsa/compile-cache, or
+$DSA_COMPILE_CACHE; `DSA_COMPILE_CACHE=off` or `--no-cache` turns it off), keyed by exactly the inputs the
+stage's Bazel action is keyed by: a second run for another target, with another tuning file or after a failed
+compile runs only what changed, and gives the same bytes. Each stage is stored as soon as it succeeds, so a
+failed build (which leaves `--out` as it was) keeps its finished export and parameter archive for the next.
 
 Each stage (checkpoint, export, params, each bucket's export, each compile) runs in a process of its own, as
 each Bazel action does (dsa.tools.stage_process): the peak memory is the largest stage's, not their sum, and
 `<out>/timings.json` records each stage's wall time and peak RSS and the whole import→vmfb time (numbers
-that differ run to run: never part of the artifacts or the lock).
+that differ run to run: never part of the artifacts or the lock); a stage taken from the cache is marked
+`"cached": true` there, and on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -23,6 +30,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from dsa.core.formats import ExportRecord
 from dsa.stages.checkpoint import make_checkpoint
 from dsa.stages.compile import check_tuning_family, compile_module, tuning_flags
 from dsa.core.errors import DsaError, run_cli
@@ -34,6 +42,9 @@ from dsa.manifest.contract import load_manifest, project
 from dsa.core.formats import Lock, ModuleIndex
 from dsa.core.runtime_flags import index_runtime_flags
 from dsa.stages.params import build_params, check_checkpoint_digest, open_checkpoint
+from dsa.stages.tensor_files import shard_path
+from dsa.tools import compile_cache
+from dsa.tools.compile_cache import CompileCache, Hit, cache_from_environment, digest_file, digest_files
 from dsa.tools.stage_process import StageRunner
 
 
@@ -76,15 +87,19 @@ def build_into(
     tuning_dir: Optional[Path] = None,
     targets: Optional[List[str]] = None,
     model_file: Optional[Path] = None,
+    cache: Optional[CompileCache] = None,
 ) -> List[Path]:
     """Builds every artifact of the manifest's model into the (empty) directory `out`; returns the module index
     of each target (`targets`, default: every target the manifest lists). Beside each index lies `<target>.lock.json`, the same recipe lock the Bazel rules write.
 
     `tuning` maps a target name to the tuning file to compile it with; a target without one compiles with
     `tuning_dir/<family>.<target>.json` when the manifest names its tuning family, else with the target
-    spec's flags only. Every tuning file is checked against its target and the manifest before any export."""
+    spec's flags only. Every tuning file is checked against its target and the manifest before any export.
+
+    `cache` (dsa.tools.compile_cache; `dsa compile` passes the user's, None runs every stage): the checkpoint,
+    export, params, bucket export and compile stages are taken from it when their inputs are unchanged, and
+    stored in it as each finishes."""
     started = time.monotonic()
-    stage = _stage_runner()
     known = sorted(p.stem for p in targets_dir.glob("*.json"))
     manifest = load_manifest(manifest_path, known_targets=known)
     name = str(manifest_path)
@@ -102,12 +117,27 @@ def build_into(
     params_view = project(manifest, "params")
     write_json_atomic(views / "params_view.json", params_view)
     write_json_atomic(out / "runtime_view.json", project(manifest, "runtime"))
+    entry_point = export_view["model"].get("entry_point", "")
 
+    import dsa
+
+    # The stage code and the Python environment: recorded in the lock, and part of every cache key.
+    tool_sources = stage_source_files(Path(dsa.__file__).parent, entry_point)
+    environment = identity(str(requirements_lock))
+    stage = _Stages(cache, {"stage_code": digest_files(tool_sources), "identity": environment})
+
+    checkpoint_hit = None
     if checkpoint is None:
         if seeded_checkpoint is not None:
             checkpoint = out / "checkpoint.safetensors"
-            stage("checkpoint", make_checkpoint, export_view, checkpoint, seed=seeded_checkpoint,
-                  pythonpath=pythonpath)
+            checkpoint_inputs = None
+            if cache is not None:
+                checkpoint_inputs = {"export_view": digest_file(views / "export_view.json"),
+                                     "seed": seeded_checkpoint,
+                                     "model_sources": _digest_sources(_model_sources(entry_point, pythonpath))}
+            checkpoint_hit = stage.cached("checkpoint", "checkpoint", checkpoint_inputs,
+                                          {"checkpoint.safetensors": checkpoint}, make_checkpoint, export_view,
+                                          checkpoint, seed=seeded_checkpoint, pythonpath=pythonpath)
         else:
             checkpoint = manifest_file(manifest_path, manifest["checkpoint"]["path"], "checkpoint.path",
                                        "pass --checkpoint FILE, or --seeded-checkpoint SEED for a generated "
@@ -115,9 +145,19 @@ def build_into(
     elif not checkpoint.is_file():
         raise DsaError("--checkpoint", f"{checkpoint} is not a regular file", "pass a .safetensors file")
 
-    check_checkpoint_digest(checkpoint, params_view, name)  # before the export: it can take minutes
+    try:
+        check_checkpoint_digest(checkpoint, params_view, name)  # before the export: it can take minutes
+    except DsaError:
+        # A generated checkpoint from the cache that was only stat-checked: a corrupt entry is discarded and
+        # the checkpoint generated again; a good one is the checkpoint the manifest does not pin.
+        if checkpoint_hit is None or cache.recheck(checkpoint_hit):
+            raise
+        stage.cached("checkpoint", "checkpoint", checkpoint_inputs, {"checkpoint.safetensors": checkpoint},
+                     make_checkpoint, export_view, checkpoint, seed=seeded_checkpoint, pythonpath=pythonpath)
+        check_checkpoint_digest(checkpoint, params_view, name)
     if manifest["framework"] != "onnx":  # an ONNX model's weights are checked against its import's record
-        open_checkpoint(checkpoint, framework="numpy")  # a readable safetensors file, also before the export
+        # A readable safetensors file (or sharded checkpoint), also before the export.
+        open_checkpoint(checkpoint, framework="numpy", view=params_view, manifest_name=name).close()
     if policy_config is None and "policy_config" in manifest["model"]:
         # framework lerobot: the policy's config.json, relative to the manifest
         policy_config = manifest_file(manifest_path, manifest["model"]["policy_config"]["path"],
@@ -126,14 +166,37 @@ def build_into(
         # frameworks onnx, stablehlo: the model file, relative to the manifest
         model_file = manifest_file(manifest_path, manifest["model"]["file"]["path"], "model.file.path",
                                    "pass --model-file FILE")
-    entry_point = export_view["model"].get("entry_point", "")
-    sources = {}
-    for rel in model_source_files(entry_point, pythonpath) if entry_point else ():
-        sources[rel] = next(str(Path(root) / rel) for root in pythonpath if (Path(root) / rel).exists())
-    record = stage("export", export_model, export_view, out / "model.mlir", out / "export_record.json",
-                   sources=sources, pythonpath=pythonpath, manifest_name=name, policy_config=policy_config,
-                   model_file=model_file)
-    stage("params", build_params, checkpoint, params_view, record, out / "params.irpa", manifest_name=name)
+    sources = _model_sources(entry_point, pythonpath)
+    export_inputs = None
+    if cache is not None:
+        # DsaExport's inputs: the export view, the model code, the policy config / model file (and the stage
+        # code and environment every key has).
+        export_inputs = {"export_view": digest_file(views / "export_view.json"),
+                         "model_sources": _digest_sources(sources),
+                         "policy_config": digest_file(policy_config), "model_file": digest_file(model_file),
+                         "bucket_view": None, "reference_record": None}
+    stage.cached("export", "export", export_inputs,
+                 {"model.mlir": out / "model.mlir", "export_record.json": out / "export_record.json"},
+                 export_model, export_view, out / "model.mlir", out / "export_record.json",
+                 sources=sources, pythonpath=pythonpath, manifest_name=name, policy_config=policy_config,
+                 model_file=model_file)
+    # The record as the Bazel actions read it: from its file (the same whether it was exported or cached).
+    record = ExportRecord.read(out / "export_record.json")
+    params_inputs = None
+    if cache is not None:
+        # DsaParams' inputs: the params view, the checkpoint (its pins, verified above against the file), the
+        # export record.
+        shards = params_view["checkpoint"].get("shards")
+        params_inputs = {"params_view": digest_file(views / "params_view.json"),
+                         "checkpoint": params_view["checkpoint"]["sha256"],
+                         "shards": None if shards is None else [[s["file"], s["sha256"]] for s in shards],
+                         "export_record": digest_file(out / "export_record.json")}
+
+    def params():
+        return stage.cached("params", "params", params_inputs, {"params.irpa": out / "params.irpa"},
+                            build_params, checkpoint, params_view, record, out / "params.irpa", manifest_name=name)
+
+    params_hit = params()
 
     view_files = {"export": views / "export_view.json", "params": views / "params_view.json",
                   "runtime": out / "runtime_view.json"}
@@ -144,21 +207,25 @@ def build_into(
             bucket = project(manifest, "bucket", bucket=(dim, slot))
             view_files[f"bucket/{dim}_{slot}"] = views / f"{dim}_{slot}.bucket_view.json"
             write_json_atomic(view_files[f"bucket/{dim}_{slot}"], bucket)
-            stage(f"export {dim}_{slot}", export_model, export_view, stem.with_suffix(".mlir"),
-                  stem.with_suffix(".export_record.json"), bucket=bucket, reference_record=record,
-                  sources=sources, pythonpath=pythonpath, manifest_name=name, policy_config=policy_config,
-                  model_file=model_file)
+            bucket_inputs = None
+            if cache is not None:
+                bucket_inputs = dict(export_inputs, bucket_view=digest_file(view_files[f"bucket/{dim}_{slot}"]),
+                                     reference_record=digest_file(out / "export_record.json"))
+            stage.cached(f"export {dim}_{slot}", "export", bucket_inputs,
+                         {"model.mlir": stem.with_suffix(".mlir"),
+                          "export_record.json": stem.with_suffix(".export_record.json")},
+                         export_model, export_view, stem.with_suffix(".mlir"),
+                         stem.with_suffix(".export_record.json"), bucket=bucket, reference_record=record,
+                         sources=sources, pythonpath=pythonpath, manifest_name=name, policy_config=policy_config,
+                         model_file=model_file)
             exported.append((stem.with_suffix(".mlir"), stem.with_suffix(".export_record.json")))
     if not exported:
         exported.append((out / "model.mlir", out / "export_record.json"))
-    import dsa
-
-    tool_sources = stage_source_files(Path(dsa.__file__).parent, entry_point)
-    environment = identity(str(requirements_lock))
 
     indexes = []
     for target_name in manifest["targets"]:
-        target = read_json(targets_dir / f"{target_name}.json")
+        target_spec = targets_dir / f"{target_name}.json"
+        target = read_json(target_spec)
         tuning_file = (tuning or {}).get(target_name)
         compile_view = project(manifest, "compile", target=target_name)
         compile_view_file = views / f"compile_view.{target_name}.json"
@@ -168,13 +235,20 @@ def build_into(
         for mlir, module_record in exported:
             vmfb = out / target_name / (mlir.stem + ".vmfb")
             report = vmfb.with_suffix(".compile_report.json")
-            stage(f"compile {mlir.stem} {target_name}", compile_module, mlir, compile_view, target, vmfb, report,
-                  where=f"{mlir} for target {target_name}",
-                  tuning=read_json(tuning_file) if tuning_file else None)
+            compile_inputs = None
+            if cache is not None:
+                # DsaCompile's inputs: the MLIR, the compile view, the target spec, the tuning file.
+                compile_inputs = {"mlir": digest_file(mlir), "compile_view": digest_file(compile_view_file),
+                                  "target_spec": digest_file(target_spec), "tuning": digest_file(tuning_file)}
+            stage.cached(f"compile {mlir.stem} {target_name}", "compile", compile_inputs,
+                         {"module.vmfb": vmfb, "compile_report.json": report},
+                         compile_module, mlir, compile_view, target, vmfb, report,
+                         where=f"{mlir} for target {target_name}",
+                         tuning=read_json(tuning_file) if tuning_file else None)
             modules.append({"vmfb": os.path.relpath(vmfb, out), "record": os.path.relpath(module_record, out)})
             module_files.append(ModuleFiles(mlir.stem, mlir, module_record, vmfb, report))
         target_copy = out / target_name / f"{target_name}.json"
-        shutil.copyfile(targets_dir / f"{target_name}.json", target_copy)  # byte for byte: the lock digests it
+        shutil.copyfile(target_spec, target_copy)  # byte for byte: the lock digests it
         index = out / f"{target_name}.modules.json"
         ModuleIndex(
             target=target_name,
@@ -185,23 +259,50 @@ def build_into(
             modules=tuple((m["vmfb"], m["record"]) for m in modules),
             runtime_flags=index_runtime_flags(read_json(m.compile_report) for m in module_files),
         ).write(index)
-        Lock.write(out / f"{target_name}.lock.json", make_lock(
-            manifest=manifest_path,
-            views=dict(view_files, compile=compile_view_file),
-            checkpoint=checkpoint,
-            model_sources={rel: Path(path) for rel, path in sources.items()},
-            tool_sources=tool_sources,
-            identity=environment,
-            target_spec=targets_dir / f"{target_name}.json",
-            modules=module_files,
-            params=out / "params.irpa",
-            tuning=(_tuning_key(tuning_file), tuning_file) if tuning_file else None,
-            policy_config=policy_config,
-            model_file=model_file,
-        ))
+
+        def lock():
+            return make_lock(
+                manifest=manifest_path,
+                views=dict(view_files, compile=compile_view_file),
+                checkpoint=checkpoint,
+                model_sources={rel: Path(path) for rel, path in sources.items()},
+                tool_sources=tool_sources,
+                identity=environment,
+                target_spec=target_spec,
+                modules=module_files,
+                params=out / "params.irpa",
+                tuning=(_tuning_key(tuning_file), tuning_file) if tuning_file else None,
+                policy_config=policy_config,
+                model_file=model_file,
+                checkpoint_shards=[shard_path(checkpoint, s["file"])
+                                   for s in params_view["checkpoint"].get("shards", [])],
+            )
+
+        lock_data = lock()
+        if params_hit is not None:
+            # The lock hashed the archive, which a large cached one was only stat-checked: the same digest as
+            # the cache entry's, or the entry is discarded and the archive built again.
+            if not cache.confirm(params_hit, "params.irpa", lock_data["artifacts"]["params.irpa"]):
+                params()
+                lock_data = lock()
+            params_hit = None
+        Lock.write(out / f"{target_name}.lock.json", lock_data)
         indexes.append(index)
+    stage.report(cache)
     write_timings(out / "timings.json", stage.timings, time.monotonic() - started)
     return indexes
+
+
+def _model_sources(entry_point: str, pythonpath: List[str]) -> dict:
+    """The model code behind the entry point, {workspace-relative path: the file} (what the export digests)."""
+    sources = {}
+    for rel in model_source_files(entry_point, pythonpath) if entry_point else ():
+        sources[rel] = next(str(Path(root) / rel) for root in pythonpath if (Path(root) / rel).exists())
+    return sources
+
+
+def _digest_sources(sources: dict) -> dict:
+    return digest_files({rel: Path(path) for rel, path in sources.items()})
 
 
 def manifest_file(manifest_path: Path, relative: str, field: str, hint: str) -> Path:
@@ -223,30 +324,70 @@ def manifest_file(manifest_path: Path, relative: str, field: str, hint: str) -> 
     return path
 
 
-def _stage_runner():
-    """A StageRunner that says what each stage took as it finishes (on stderr)."""
-    runner = StageRunner()
+@dataclasses.dataclass(frozen=True)
+class _Timing:
+    stage: str
+    wall_s: float
+    peak_rss_kib: int
+    cached: bool = False
 
-    def run(name, fn, *args, **kwargs):
-        result = runner(name, fn, *args, **kwargs)
-        t = runner.timings[-1]
+
+class _Stages:
+    """Runs each stage in a process of its own (StageRunner), or takes its outputs from the cache, and says on
+    stderr what each took as it finishes. `timings`: one _Timing per stage, in call order."""
+
+    def __init__(self, cache: Optional[CompileCache], common_inputs: dict):
+        self.runner = StageRunner()
+        self.cache = cache
+        self.common_inputs = common_inputs  # in every key: the stage code and the environment's identity
+        self.timings: List[_Timing] = []
+
+    def __call__(self, name, fn, *args, **kwargs):
+        result = self.runner(name, fn, *args, **kwargs)
+        t = self.runner.timings[-1]
+        self.timings.append(_Timing(t.stage, t.wall_s, t.peak_rss_kib))
         print(f"dsa compile: {name}: {t.wall_s:.1f} s, peak RSS {t.peak_rss_kib / 1024:.0f} MiB", file=sys.stderr)
         return result
 
-    run.timings = runner.timings
-    return run
+    def cached(self, name: str, kind: str, inputs: Optional[dict], outputs: dict, fn, *args, **kwargs) -> Optional[Hit]:
+        """Stage `name` (cache stage `kind`) writing `outputs` (entry file name → output path): from the cache
+        when it has an entry for `inputs` (returns the hit), else run and stored (returns None)."""
+        if self.cache is None:
+            self(name, fn, *args, **kwargs)
+            return None
+        start = time.monotonic()
+        inputs = dict(inputs, **self.common_inputs)
+        key = self.cache.key(kind, inputs)
+        hit = self.cache.fetch(kind, key, outputs, name)
+        if hit is not None:
+            took = time.monotonic() - start
+            self.timings.append(_Timing(name, took, 0, cached=True))
+            print(f"dsa compile: {name}: cached ({took:.1f} s to check and link)", file=sys.stderr)
+            return hit
+        self(name, fn, *args, **kwargs)
+        self.cache.store(kind, key, outputs, name, inputs)
+        return None
+
+    def report(self, cache: Optional[CompileCache]) -> None:
+        if cache is not None:
+            hits = sum(t.cached for t in self.timings)
+            print(f"dsa compile: {hits} of {len(self.timings)} stages from the compile cache {cache.root}",
+                  file=sys.stderr)
 
 
 def write_timings(path: Path, timings, total_s: float) -> None:
-    """`timings.json`: each stage's wall time and peak RSS (its process and what it ran), the whole run's
-    wall time (import→vmfb) and the largest peak with its stage."""
-    peak = max(timings, key=lambda t: t.peak_rss_kib)
+    """`timings.json`: each stage's wall time and peak RSS (its process and what it ran; a stage taken from the
+    cache, `"cached": true`, ran no process: its wall time is the check and link, its peak 0), the whole run's
+    wall time (import→vmfb) and the largest peak with its stage (null when every stage came from the cache)."""
+    ran = [t for t in timings if not getattr(t, "cached", False)]
+    peak = max(ran, key=lambda t: t.peak_rss_kib) if ran else None
     write_json_atomic(path, {
-        "stages": [{"stage": t.stage, "wall_s": round(t.wall_s, 3), "peak_rss_kib": t.peak_rss_kib}
+        "stages": [{"stage": t.stage, "wall_s": round(t.wall_s, 3), "peak_rss_kib": t.peak_rss_kib,
+                    "cached": bool(getattr(t, "cached", False))}
                    for t in timings],
         "total_s": round(total_s, 3),
-        "peak_rss_kib": peak.peak_rss_kib,
-        "peak_stage": peak.stage,
+        "peak_rss_kib": peak.peak_rss_kib if peak else 0,
+        "peak_stage": peak.stage if peak else None,
     })
 
 
@@ -343,6 +484,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--tuning-dir", type=Path, default=_RULES_DSA_ROOT / "toolchains" / "tuning",
                         help="where the manifest's tuning family is looked up (default: this checkout's "
                         "toolchains/tuning)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="run every stage, neither taking from nor adding to the compile cache "
+                        f"(default: {compile_cache.DEFAULT_DIR}, or ${compile_cache.ENVIRONMENT_VARIABLE}=DIR; "
+                        "=off turns it off too)")
     a = parser.parse_args(argv)
     # Every file argument is checked before any work (an export can take minutes).
     for flag, path in (("--manifest", a.manifest), ("--checkpoint", a.checkpoint),
@@ -358,7 +503,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                            pythonpath=a.pythonpath or default_pythonpath(a.manifest),
                            requirements_lock=a.requirements_lock, tuning=tuning,
                            policy_config=a.policy_config, tuning_dir=a.tuning_dir, targets=a.targets or None,
-                           model_file=a.model_file)
+                           model_file=a.model_file, cache=cache_from_environment(disabled=a.no_cache))
     for index in indexes:
         print(f"dsa compile: wrote {index} and {index.name.replace('.modules.json', '.lock.json')}")
 
