@@ -386,7 +386,8 @@ def _describe(error: Any) -> Tuple[FieldPath, str, Optional[str]]:
     if error.validator == "additionalProperties":
         known = list(schema.get("properties", {}))
         name = next(k for k in instance if k not in known and not k.startswith(EXTENSION_PREFIX))
-        close = difflib.get_close_matches(name, known, n=1)
+        # A field the name begins (`sha` for sha256) before the closest spelling (which would be `shards`).
+        close = [k for k in known if k.startswith(name)][:1] or difflib.get_close_matches(name, known, n=1)
         hint = f"did you mean '{close[0]}'?" if close else (
             f"remove it; extension fields must start with '{EXTENSION_PREFIX}'"
         )

@@ -179,3 +179,47 @@ def stand_in_values(module, seed: int = 0) -> Dict[str, object]:
         if is_weightless(tensor):
             values[name] = (torch.randn(tuple(tensor.shape), generator=generator) * 0.02).to(tensor.dtype)
     return values
+
+
+def materialise(module, read, names=None) -> None:
+    """Gives a module built without its weights (`without_weights`) real ones, one tensor at a time:
+    `read(name)` returns the value (a numpy array or torch tensor) of a state_dict entry, converted to the
+    entry's dtype when it differs (a bf16 checkpoint of a float32 model is widened). Tied entries (one tensor
+    under several names) get one tensor, read under whichever of their names `names` holds (default: every
+    name is tried until one reads). Peak memory: the weights themselves, one copy; nothing is initialised.
+    Raises KeyError naming an entry no name of which can be read."""
+    import numpy as np
+    import torch
+
+    state = module.state_dict(keep_vars=True)
+    groups: Dict[int, list] = {}
+    for name, tensor in state.items():
+        groups.setdefault(id(tensor), []).append(name)
+    values = {}
+    for group in groups.values():
+        candidates = [n for n in sorted(group) if names is None or n in names]
+        value = None
+        for name in candidates:
+            try:
+                value = read(name)
+                break
+            except KeyError:
+                continue
+        if value is None:
+            raise KeyError(f"no tensor for {' / '.join(sorted(group))}")
+        tensor = value if isinstance(value, torch.Tensor) else _torch_of(np.asarray(value))
+        want = state[group[0]].dtype
+        if tensor.dtype != want:
+            tensor = tensor.to(want)
+        for name in group:
+            values[name] = tensor
+    module.load_state_dict(values, strict=True, assign=True)
+
+
+def _torch_of(array):
+    """A numpy array (bf16 as ml_dtypes.bfloat16) as a torch tensor sharing its memory."""
+    import torch
+
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view("uint16")).view(torch.bfloat16)
+    return torch.from_numpy(array)

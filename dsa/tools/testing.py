@@ -17,14 +17,24 @@ def runfile(short_path: str) -> Path:
 
 
 def eager_policy(export_view: dict, dims: dict, checkpoint: Path):
-    """The model as eager PyTorch, with the checkpoint's weights: the reference compiled modules must match."""
-    from safetensors.torch import load_file
+    """The model as eager PyTorch, with the checkpoint's weights (a .safetensors file, or a sharded
+    checkpoint's index): the reference compiled modules must match. Built without weights and given the
+    checkpoint's tensors one at a time (dsa.stages.weightless.materialise): the weights are held once, in the
+    model's dtype, and nothing is initialised, so a multi-billion-parameter reference fits where its
+    weights do."""
+    # Imported here: runfile() serves tests in torch-free environments.
+    from dsa.stages.export import load_entry_point
+    from dsa.stages.tensor_files import open_safetensors
+    from dsa.stages.weightless import materialise, without_weights
 
-    from dsa.stages.export import load_entry_point  # here: runfile() serves tests in torch-free environments
-
-    spec = load_entry_point(export_view["model"]["entry_point"])(export_view, dims)
+    with without_weights():
+        spec = load_entry_point(export_view["model"]["entry_point"])(export_view, dims)
     module = spec.module.eval()
-    module.load_state_dict(load_file(str(checkpoint)), strict=True)
+    with open_safetensors(checkpoint) as tensors:
+        extra = sorted(set(tensors.keys()) - set(module.state_dict()))
+        if extra:
+            raise KeyError(f"{checkpoint} holds tensors the model does not have: {extra[:5]}")
+        materialise(module, tensors.read)
     return module, spec
 
 

@@ -123,12 +123,7 @@ def init_policy(policy_type: str, config: dict, seed: int, out_dir: Path) -> Non
     cfg = make_config(policy_type, config)
     module = policy_module(policy_type, "--type")
     _, policy_cls = module.classes(policy_type)
-    if out_dir.exists():
-        stray = sorted(p.name for p in out_dir.iterdir() if p.name not in SAVED_FILES)
-        if stray:
-            raise DsaError(str(out_dir), f"holds files other than {' and '.join(SAVED_FILES)}: "
-                           f"{', '.join(stray[:5])}", "write into an empty directory")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _check_out_dir(out_dir)
     common.seed(seed)
     try:
         with torch.no_grad(), module.building(cfg, "config.vlm_model_name"):
@@ -142,16 +137,105 @@ def init_policy(policy_type: str, config: dict, seed: int, out_dir: Path) -> Non
     tmp = Path(tempfile.mkdtemp(prefix=".init-", dir=out_dir))
     try:
         policy.save_pretrained(tmp)
-        written = sorted(p.name for p in tmp.iterdir())
-        if written != sorted(SAVED_FILES):
-            raise DsaError(f"{policy_cls.__name__}.save_pretrained",
-                           f"wrote {written}, rules_dsa expects exactly {sorted(SAVED_FILES)}",
-                           "this LeRobot version saves policies differently; update dsa/frontends/lerobot/__init__.py")
-        for name in SAVED_FILES:
-            os.chmod(tmp / name, 0o644)
-            os.replace(tmp / name, out_dir / name)
+        _move_saved(tmp, out_dir, f"{policy_cls.__name__}.save_pretrained")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# How `init_policy` makes a stand-in's weights: LeRobot's own random initialisation, saved by LeRobot's
+# save_pretrained (the whole model in memory: small policies), or seeded per tensor and streamed (any size).
+INIT_WEIGHTS = ("lerobot", "seeded")
+# The float dtypes a seeded stand-in can be saved in.
+INIT_DTYPES = ("float32", "bfloat16")
+
+
+def init_seeded_policy(policy_type: str, config: dict, seed: int, out_dir: Path, dtype: str = "float32") -> None:
+    """A real-size policy directory without the model in memory: LeRobot's config.json (its own
+    `_save_pretrained`) and a model.safetensors whose tensors are exactly those LeRobot's save_pretrained would
+    write — the policy's state_dict, built without weights (dsa.stages.weightless), less the second name of
+    each tied pair (safetensors' `save_model` rule: the first name in sorted order is kept, the other recorded
+    in the file's metadata) — with seeded values (dsa.stages.checkpoint's per-tensor initialisation: the same
+    bytes on every machine), generated and written one tensor at a time in `dtype`. A 3.5B-parameter PI0 needs
+    the memory of its largest tensor."""
+    import numpy as np
+    import torch
+
+    from dsa.stages.checkpoint import init_plan, init_value
+    from dsa.stages.tensor_files import write_safetensors
+    from dsa.stages.weightless import is_weightless, without_weights
+
+    if dtype not in INIT_DTYPES:
+        raise DsaError("--dtype", f"is {dtype!r}", f"use one of {', '.join(INIT_DTYPES)}")
+    out_dir = Path(out_dir)
+    cfg = make_config(policy_type, config)
+    module = policy_module(policy_type, "--type")
+    _, policy_cls = module.classes(policy_type)
+    _check_out_dir(out_dir)
+    try:
+        with torch.no_grad(), without_weights(), module.building(cfg, "config.vlm_model_name"):
+            policy = policy_cls(cfg)
+    except DsaError:
+        raise
+    except Exception as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DsaError("config", f"LeRobot cannot build a {policy_type} policy from it: "
+                       f"{type(e).__name__}: {text}") from None
+    state = policy.state_dict(keep_vars=True)
+    names_of: dict = {}
+    for name, tensor in state.items():  # tied tensors: one object under several names
+        names_of.setdefault(id(tensor), []).append(name)
+    removed = {}
+    for names in names_of.values():
+        for other in sorted(names)[1:]:
+            removed[other] = sorted(names)[0]
+    plan = {name: entry for name, entry in init_plan(policy).items() if name not in removed}
+    numpy_dtype = {"float32": np.float32, "bfloat16": None}[dtype]
+
+    def stored_dtype(name):
+        return dtype if state[name].is_floating_point() else str(state[name].dtype).replace("torch.", "")
+
+    def produce(name):
+        tensor = state[name]
+        if not is_weightless(tensor):  # a real persistent buffer (normalisation statistics): its own values
+            value = tensor.detach().numpy()
+        else:
+            shape, owner, pname = plan[name]
+            value = init_value(name, shape, owner, pname, seed)
+        if not tensor.is_floating_point():
+            return value
+        if numpy_dtype is not None:
+            return value.astype(numpy_dtype)
+        import ml_dtypes
+
+        return value.astype(ml_dtypes.bfloat16)
+
+    tmp = Path(tempfile.mkdtemp(prefix=".init-", dir=out_dir))
+    try:
+        write_safetensors(tmp / "model.safetensors", [(n, stored_dtype(n), state[n].shape) for n in sorted(plan)],
+                          produce, metadata=dict(sorted(removed.items())) or None)
+        cfg._save_pretrained(tmp)
+        _move_saved(tmp, out_dir, f"{policy_cls.__name__} config")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    if out_dir.exists():
+        stray = sorted(p.name for p in out_dir.iterdir() if p.name not in SAVED_FILES)
+        if stray:
+            raise DsaError(str(out_dir), f"holds files other than {' and '.join(SAVED_FILES)}: "
+                           f"{', '.join(stray[:5])}", "write into an empty directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _move_saved(tmp: Path, out_dir: Path, writer: str) -> None:
+    written = sorted(p.name for p in tmp.iterdir())
+    if written != sorted(SAVED_FILES):
+        raise DsaError(writer, f"wrote {written}, rules_dsa expects exactly {sorted(SAVED_FILES)}",
+                       "this LeRobot version saves policies differently; update dsa/frontends/lerobot/__init__.py")
+    for name in SAVED_FILES:
+        os.chmod(tmp / name, 0o644)
+        os.replace(tmp / name, out_dir / name)
 
 
 def policy_from_config(config_dict: Mapping[str, Any], where: str = "config.json"):
@@ -223,6 +307,44 @@ def load_pretrained(policy_dir: Path):
     return policy.eval()
 
 
+def load_pretrained_mapped(policy_dir: Path):
+    """The policy of `policy_dir` as LeRobot's own class, with model.safetensors' weights, for policies too
+    large for `load_pretrained`: LeRobot's `from_pretrained` initialises every weight and then loads the file
+    beside them (two copies: ~28 GB for a 3.5B PI0). Here the policy is built without weights
+    (dsa.stages.weightless) and given the file's tensors one at a time, widened to the model's dtype: one
+    copy, no initialisation. Every tensor of the model must be in the file (tied pairs under either name) and
+    nothing else."""
+    import torch
+
+    from dsa.stages.tensor_files import open_safetensors
+    from dsa.stages.weightless import materialise, without_weights
+
+    policy_dir = Path(policy_dir)
+    where = str(policy_dir / "config.json")
+    config_dict = json.loads((policy_dir / "config.json").read_text())
+    policy_type = config_dict.get("type")
+    module = policy_module(policy_type, f"{where}: type")
+    config_cls, policy_cls = module.classes(policy_type)
+    values = {k: v for k, v in config_dict.items() if k != "type"}
+    values["device"] = "cpu"
+    module.no_download(values, where, force=True)
+    cfg = module.decode(config_cls, values, where)
+    with torch.no_grad(), without_weights(), module.building(cfg, f"{where}: vlm_model_name"):
+        policy = policy_cls(cfg)
+    checkpoint = policy_dir / "model.safetensors"
+    with open_safetensors(checkpoint) as tensors:
+        extra = sorted(set(tensors.keys()) - set(policy.state_dict()))
+        if extra:
+            raise DsaError(str(checkpoint), f"holds {len(extra)} tensor(s) the policy does not have: "
+                           f"{', '.join(extra[:5])}", "use the model.safetensors saved with this config.json")
+        try:
+            materialise(policy, tensors.read)
+        except KeyError as e:
+            raise DsaError(str(checkpoint), f"is missing a tensor of the policy: {e.args[0]}",
+                           "use the model.safetensors saved with this config.json") from None
+    return policy.eval()
+
+
 def reference_actions(policy_dir: Path, inputs: Mapping[str, Any], steps: Optional[int] = None):
     """LeRobot's eager actions for `inputs` (name → array, the names of the export's inputs): ACT
     `predict_action_chunk`; Diffusion `diffusion.generate_actions(batch, noise=inputs["noise"])` with `steps`
@@ -253,6 +375,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     source.add_argument("--config-json", default="{}", help="config field overrides (a JSON object)")
     source.add_argument("--config-file", help="a JSON file: `type` and the config fields (dsa_lerobot_policy)")
     init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--weights", choices=INIT_WEIGHTS, default="lerobot",
+                      help="lerobot: LeRobot's random init and save_pretrained (the model in memory); seeded: "
+                      "seeded per tensor and streamed, for policies of any size")
+    init.add_argument("--dtype", choices=INIT_DTYPES, default="float32", help="float dtype of seeded weights")
     init.add_argument("--out-dir", required=True)
     a = parser.parse_args(argv)
     where = a.config_file or "--config-json"
@@ -271,4 +397,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     policy_type = a.type or policy_type
     if not policy_type:
         raise DsaError(f"{where}: type", "no policy type", f"set `type` to one of: {_SUPPORTED_TEXT}")
-    init_policy(policy_type, config, a.seed, Path(a.out_dir))
+    if a.weights == "seeded":
+        init_seeded_policy(policy_type, config, a.seed, Path(a.out_dir), dtype=a.dtype)
+    else:
+        if a.dtype != "float32":
+            raise DsaError("--dtype", "LeRobot's own initialisation saves float32", "use --weights seeded")
+        init_policy(policy_type, config, a.seed, Path(a.out_dir))
