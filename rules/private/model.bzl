@@ -152,28 +152,48 @@ architecture reruns DsaParams alone.""",
     provides = [DsaModelInfo],
 )
 
+def shard_names(count):
+    """Hugging Face's shard file names for `count` shards (dsa.stages.tensor_files.shard_file_name)."""
+    width = 5
+    return ["model-%s-of-%s.safetensors" % (_padded(i, width), _padded(count, width)) for i in range(1, count + 1)]
+
+def _padded(number, width):
+    text = str(number)
+    return "0" * (width - len(text)) + text
+
 def _dsa_checkpoint_impl(ctx):
     view = ctx.actions.declare_file("%s/export_view.json" % ctx.label.name)
     manifest_view(ctx, ctx.file.manifest, "export", view)
     sources, _ = _model_sources(ctx.attr.deps)
     source_list = sources.to_list()
-    out = ctx.outputs.out
     args = ctx.actions.args()
     args.add("--view", view)
     args.add("--seed", str(ctx.attr.seed))
+    args.add("--dtype", ctx.attr.dtype)
     args.add_all(pythonpath_of(source_list), before_each = "--pythonpath")
-    args.add("--out", out)
+    if ctx.attr.shards:
+        if ctx.outputs.out:
+            fail("dsa_checkpoint %s: a sharded checkpoint (shards = %d) is written into <name>/; drop `out`" % (ctx.label, ctx.attr.shards))
+        index = ctx.actions.declare_file("%s/model.safetensors.index.json" % ctx.label.name)
+        outputs = [index] + [ctx.actions.declare_file("%s/%s" % (ctx.label.name, s)) for s in shard_names(ctx.attr.shards)]
+        args.add("--shards", str(ctx.attr.shards))
+        args.add("--out", index.dirname)
+    else:
+        if not ctx.outputs.out:
+            fail("dsa_checkpoint %s: `out` (the .safetensors file) is required without shards" % ctx.label)
+        outputs = [ctx.outputs.out]
+        args.add("--out", ctx.outputs.out)
     ctx.actions.run(
         executable = ctx.executable._checkpoint_tool,
         arguments = [args],
         inputs = depset([view, ctx.file._toolchain_identity], transitive = [sources]),
-        outputs = [out],
+        outputs = outputs,
         mnemonic = "DsaCheckpoint",
-        progress_message = "Generating seeded checkpoint %s" % out.short_path,
+        progress_message = "Generating seeded checkpoint %s" % outputs[0].short_path,
         env = ACTION_ENV,
         execution_requirements = execution_requirements(ctx),
     )
-    return [DefaultInfo(files = depset([out]))]
+    return [DefaultInfo(files = depset(outputs))]
 
 dsa_checkpoint = rule(
     implementation = _dsa_checkpoint_impl,
@@ -183,7 +203,9 @@ not at hand). Byte-identical on every machine, so the manifest can pin its sha25
         "manifest": attr.label(mandatory = True, allow_single_file = [".yaml", ".yml"], doc = "Deployment manifest (its export view builds the model)."),
         "deps": attr.label_list(providers = [PyInfo], doc = "py_library targets holding the model code."),
         "seed": attr.int(default = 0, doc = "Seed of the generated weights."),
-        "out": attr.output(mandatory = True, doc = "The .safetensors file to write."),
+        "dtype": attr.string(default = "float32", values = ["float32", "bfloat16"], doc = "Float dtype the weights are saved in (bfloat16: as large models are published)."),
+        "shards": attr.int(default = 0, doc = "Write a sharded checkpoint of this many shards into `<name>/` (model-0000i-of-0000N.safetensors and model.safetensors.index.json, Hugging Face's layout) instead of `out`."),
+        "out": attr.output(doc = "The .safetensors file to write (without `shards`)."),
         "_checkpoint_tool": attr.label(default = Label("//dsa:checkpoint_tool"), executable = True, cfg = "exec"),
     }),
 )
@@ -195,6 +217,9 @@ def _dsa_lerobot_policy_impl(ctx):
     args.add("init")
     args.add("--config-file", ctx.file.config)
     args.add("--seed", str(ctx.attr.seed))
+    if ctx.attr.weights != "lerobot" or ctx.attr.dtype != "float32":
+        args.add("--weights", ctx.attr.weights)
+        args.add("--dtype", ctx.attr.dtype)
     args.add("--out-dir", out_config.dirname)
     run_tool(
         ctx,
@@ -233,6 +258,8 @@ dsa_lerobot_policy = rule(
     attrs = dict(_LEROBOT_ENV_ATTRS, **{
         "config": attr.label(mandatory = True, allow_single_file = [".json"], doc = "Policy type and config fields (JSON)."),
         "seed": attr.int(default = 0),
+        "weights": attr.string(default = "lerobot", values = ["lerobot", "seeded"], doc = "lerobot: LeRobot's own random initialisation and save_pretrained (the whole model in memory: small policies); seeded: the same tensors seeded per tensor and written one at a time (policies of any size: a 3.5B PI0 needs the memory of its largest tensor)."),
+        "dtype": attr.string(default = "float32", values = ["float32", "bfloat16"], doc = "Float dtype of `seeded` weights."),
         "_lerobot_tool": attr.label(default = Label("//dsa:lerobot_tool"), executable = True, cfg = "exec"),
     }),
     # Predeclared, so that `:<name>/config.json` and `:<name>/model.safetensors` are labels a dsa_model

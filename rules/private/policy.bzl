@@ -39,6 +39,7 @@ def dsa_policy(
         more_targets = {},
         python_env = None,
         parity_test = None,
+        stand_in = {},
         tags = [],
         **kwargs):
     """A compiled policy in one call: `bazel build :<name>` builds its modules for `target`.
@@ -75,6 +76,11 @@ def dsa_policy(
         exports for, e.g. an AVX-512 build beside a portable x86-64-v3 `target`. Each must be among the
         manifest's `targets`; a runner refuses a build its machine cannot execute (the target spec's `host`).
       python_env: the dsa_python_env to export in; LeRobot policies default to @dsa_lerobot_python.
+      stand_in: how seeded stand-in weights are made, for real-size models: {"dtype": "bfloat16"} saves them
+        in bf16 (as large models are published), {"shards": N} as a sharded checkpoint (`<name>_checkpoint/`,
+        Hugging Face's index and N shards; not for LeRobot policies, which LeRobot saves as one file), and for
+        a LeRobot policy {"weights": "seeded"} seeds each tensor and streams them instead of LeRobot's own
+        initialisation (which holds the whole model). Default: float32, one file, LeRobot's initialisation.
       parity_test: the label of the test that checks the compiled policy against eager (the import matrix
         reports its result).
       tags: added to every target made; execution tags (no-remote-cache, ...) reach their actions.
@@ -96,9 +102,24 @@ def dsa_policy(
     if bucket != None and sorted(bucket.keys()) != ["count", "dim"]:
         fail("dsa_policy %s: bucket must be {\"dim\": DIM, \"count\": N}, got %s" % (name, bucket))
 
+    unknown_stand_in = [k for k in stand_in if k not in ("dtype", "shards", "weights")]
+    if unknown_stand_in:
+        fail("dsa_policy %s: stand_in takes dtype, shards and weights, not %s" % (name, ", ".join(unknown_stand_in)))
     if lerobot_config:
+        if stand_in.get("shards"):
+            fail("dsa_policy %s: a LeRobot policy directory holds one model.safetensors; stand_in cannot shard it" % name)
         lerobot_policy = ":%s_policy" % name
-        dsa_lerobot_policy(name = name + "_policy", config = lerobot_config, seed = seed, tags = tags, **common)
+        dsa_lerobot_policy(
+            name = name + "_policy",
+            config = lerobot_config,
+            seed = seed,
+            weights = stand_in.get("weights", "lerobot"),
+            dtype = stand_in.get("dtype", "float32"),
+            tags = tags,
+            **common
+        )
+    elif stand_in.get("weights"):
+        fail("dsa_policy %s: stand_in weights applies to a LeRobot policy made from lerobot_config" % name)
     if lerobot_policy:
         policy_config = lerobot_policy + "/config.json"
         checkpoint = checkpoint or lerobot_policy + "/model.safetensors"
@@ -106,16 +127,19 @@ def dsa_policy(
         deps = deps + [str(_LEROBOT_FRONTEND)]
         python_env = python_env or _LEROBOT_ENV
     if not checkpoint:
+        shards = stand_in.get("shards", 0)
         dsa_checkpoint(
             name = name + "_checkpoint",
-            out = name + ".safetensors",
+            out = None if shards else name + ".safetensors",
             manifest = manifest,
             seed = seed,
+            dtype = stand_in.get("dtype", "float32"),
+            shards = shards,
             deps = deps,
             tags = tags,
             **common
         )
-        checkpoint = ":%s.safetensors" % name
+        checkpoint = ":%s_checkpoint" % name if shards else ":%s.safetensors" % name
 
     dsa_model(
         name = name + "_model",
