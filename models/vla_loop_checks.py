@@ -51,3 +51,40 @@ def check_step_count_is_a_runtime_input(policy):
     base = observation(record, 1, seed=7)
     outputs = [policy.run(dict(base, steps=np.array(n, dtype=np.int64)))[0][0] for n in (2, 5)]
     assert float(np.abs(outputs[0] - outputs[1]).max()) > 1e-3
+
+
+def check_real_size_matches_eager(builds, policy_dir, steps=(1, 10), prompt=20, seed=3):
+    """Real-size VLAs (pi0_full, pi05_full): every compiled build in `builds` (module indexes this machine
+    runs) at each of `steps` equals LeRobot's own policy on the same observation. Memory decides the order:
+    each compiled policy runs and is released before the next, then LeRobot's policy is loaded once
+    (`load_pretrained_mapped`: no random initialisation, one copy of the weights, widened to float32 — the
+    weights the compiled modules widen from the same bf16 archive) for the references. Returns the largest
+    error relative to max(1, max|eager|) per build."""
+    import gc
+
+    from dsa.frontends.lerobot import load_pretrained_mapped
+    from dsa.runtime.policy import CompiledPolicy
+
+    got = {}
+    inputs = None
+    for build in builds:
+        policy = CompiledPolicy(build)
+        record = policy.modules[0].record
+        if inputs is None:
+            base = observation(record, 1, seed=seed, prompt=prompt)
+            inputs = {n: dict(base, steps=np.array(n, dtype=np.int64)) for n in steps}
+        got[build] = {n: policy.run(inputs[n])[0][0] for n in steps}
+        del policy
+        gc.collect()
+    eager = load_pretrained_mapped(policy_dir)
+    expected = {n: reference_actions(eager, inputs[n], n) for n in steps}
+    del eager
+    gc.collect()
+    errors = {}
+    for build, outputs in got.items():
+        for n in steps:
+            assert_close(outputs[n], expected[n])
+        errors[build] = max(float(np.abs(outputs[n] - expected[n]).max()) / max(1.0, float(np.abs(expected[n]).max()))
+                            for n in steps)
+    assert float(np.abs(expected[steps[0]] - expected[steps[-1]]).max()) > 1e-3  # the step count reaches the loop
+    return errors

@@ -12,6 +12,9 @@ load(":vmfb.bzl", "dsa_vmfb")
 
 # The tag dsa_policy puts on the dsa_vmfb it makes; dsa_policies finds the package's policies by it.
 POLICY_TAG = "dsa_policy"
+# The tag of real-size policies (and pipelines): dsa_policies indexes them apart (`<name>_real_size`), so that
+# the default index, the benchmark's sets and `bazel build //...` never build them.
+REAL_SIZE_TAG = "real_size"
 _TEST_TAG = "dsa_parity_test="
 # On the dsa_vmfb of a policy built for a further target (`more_targets`): the policy it is a build of.
 _BUILD_OF_TAG = "dsa_policy_build_of="
@@ -243,6 +246,8 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
         files and runfiles: what the import matrix needs (`bazel build //models:policies` builds them all);
       * `<name>_lerobot`: the index plus the LeRobot policies (framework lerobot) with their policy
         directories and exported MLIR: what the benchmark and the tuner run in the LeRobot environment;
+      * `<name>_real_size` (and `<name>_real_size_index`): the same index and outputs for the policies and
+        pipelines tagged "real_size" (manual), which the sets above leave out;
       * `<name>_code`: a py_library of every policy's model code (the dsa_models' `deps`), and
         `<name>_checkpoints`: the seeded checkpoints dsa_policy made — what the benchmark reads, without
         building (or fetching the environment of) any policy.
@@ -255,8 +260,21 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
     policies, tests, models = [], [], []
     pipelines, ptests = [], []
     code, checkpoints, lerobot = {}, [], []
+    real_policies, real_tests, real_models, real_pipelines, real_ptests = [], [], [], [], []
     rules = native.existing_rules()
     for rule_name, r in rules.items():
+        if REAL_SIZE_TAG in r.get("tags", []) and r["kind"] in ("dsa_vmfb", "dsa_pipeline"):
+            # Real-size policies (tens of GB, built on request): indexed apart, in `<name>_real_size`.
+            if r["kind"] == "dsa_pipeline":
+                real_pipelines.append(":" + rule_name)
+                real_ptests.append(pipeline_tests.get(rule_name, ""))
+            elif POLICY_TAG in r["tags"]:
+                real_policies.append(":" + rule_name)
+                test = [t[len(_TEST_TAG):] for t in r["tags"] if t.startswith(_TEST_TAG)]
+                real_tests.append(test[0] if test else "")
+                base = ([t[len(_BUILD_OF_TAG):] for t in r["tags"] if t.startswith(_BUILD_OF_TAG)] + [rule_name])[0]
+                real_models += [":%s_model" % base] + ([":%s_buckets" % base] if (base + "_buckets") in rules else [])
+            continue
         if r["kind"] == "dsa_vmfb" and POLICY_TAG in r.get("tags", []):
             policies.append(":" + rule_name)
             test = [t[len(_TEST_TAG):] for t in r["tags"] if t.startswith(_TEST_TAG)]
@@ -279,7 +297,7 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
         elif r["kind"] == "dsa_pipeline":
             pipelines.append(":" + rule_name)
             ptests.append(pipeline_tests.get(rule_name, ""))
-    unknown = [p for p in pipeline_tests if ":" + p not in pipelines]
+    unknown = [p for p in pipeline_tests if ":" + p not in pipelines + real_pipelines]
     if unknown:
         fail("dsa_policies %s: pipeline_tests names no dsa_pipeline of this package: %s" % (name, ", ".join(unknown)))
     _dsa_policy_index(
@@ -309,4 +327,18 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
         name = name + "_checkpoints",
         srcs = sorted({c: True for c in checkpoints}.keys()),
         **kwargs
+    )
+    real_kwargs = dict(kwargs, tags = kwargs.get("tags", []) + ["manual"])
+    _dsa_policy_index(
+        name = name + "_real_size_index",
+        policies = real_policies,
+        tests = real_tests,
+        pipelines = real_pipelines,
+        pipeline_tests = real_ptests,
+        **real_kwargs
+    )
+    _dsa_policy_set(
+        name = name + "_real_size",
+        srcs = [":%s_real_size_index" % name] + real_policies + real_pipelines + sorted({m: True for m in real_models}.keys()),
+        **real_kwargs
     )

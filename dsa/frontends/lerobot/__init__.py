@@ -345,16 +345,18 @@ def load_pretrained_mapped(policy_dir: Path):
     return policy.eval()
 
 
-def reference_actions(policy_dir: Path, inputs: Mapping[str, Any], steps: Optional[int] = None):
+def reference_actions(policy_dir, inputs: Mapping[str, Any], steps: Optional[int] = None):
     """LeRobot's eager actions for `inputs` (name → array, the names of the export's inputs): ACT
     `predict_action_chunk`; Diffusion `diffusion.generate_actions(batch, noise=inputs["noise"])` with `steps`
     denoising steps (None: the config's num_inference_steps); SmolVLA `predict_action_chunk(batch,
     noise=inputs["noise"])` with `steps` flow-matching steps (None: the config's num_steps); PI0 / PI0.5
-    `predict_action_chunk(batch, noise=inputs["noise"], num_steps=steps)`."""
+    `predict_action_chunk(batch, noise=inputs["noise"], num_steps=steps)`. `policy_dir` is the policy's
+    directory (loaded with LeRobot's `from_pretrained`), or a policy already loaded (`load_pretrained_mapped`
+    for a real-size one, loaded once for several references)."""
     import numpy as np
     import torch
 
-    policy = load_pretrained(policy_dir)
+    policy = load_pretrained(policy_dir) if isinstance(policy_dir, (str, os.PathLike)) else policy_dir
     tensors = {k: torch.as_tensor(np.asarray(v)) for k, v in inputs.items()}
     with torch.no_grad():
         out = POLICY_TYPES[policy.config.type].reference(policy, tensors, steps)
