@@ -440,6 +440,7 @@ def _semantic_problems(
     manifest: Mapping[str, Any],
     known_targets: Optional[Iterable[str]],
     min_bucket: Optional[Mapping[str, int]],
+    target_specs: Optional[Mapping[str, Mapping[str, Any]]] = None,
 ) -> Iterator[Tuple[FieldPath, str, str]]:
     """Yields (field path, message, hint) for what the schema cannot express, in manifest order."""
     model = manifest["model"]
@@ -568,6 +569,18 @@ def _semantic_problems(
                     f"bucket {size} is below the model's minimum {minimum} for {dim}",
                     f"the model cannot be exported with {dim} < {minimum}; raise or remove this bucket",
                 )
+    compute = precision_of(manifest)["compute"]
+    if compute != "f32" and target_specs is not None:
+        for i, target in enumerate(manifest["targets"]):
+            spec = target_specs.get(target)
+            if spec is not None and compute not in spec.get("precisions", []):
+                yield (
+                    ("precision", "compute"),
+                    f"target '{target}' (targets[{i}]) has no {compute} arithmetic (its spec lists "
+                    f"{', '.join(['f32'] + list(spec.get('precisions', [])))})",
+                    f"set precision.compute: f32 (the {precision_of(manifest)['weights']} weights are then "
+                    f"widened where used), or remove the target",
+                )
     if known_targets is not None:
         known = sorted(set(known_targets))
         for i, target in enumerate(manifest["targets"]):
@@ -584,11 +597,14 @@ def load_manifest(
     *,
     known_targets: Optional[Iterable[str]] = None,
     min_bucket: Optional[Mapping[str, int]] = None,
+    target_specs: Optional[Mapping[str, Mapping[str, Any]]] = None,
 ) -> Dict[str, Any]:
     """Loads and validates a manifest; returns it as plain JSON data with `x-` keys removed.
 
     known_targets: the target names that exist (toolchains/targets/); when given, every manifest target
         must be one of them.
+    target_specs: target name → its spec (toolchains/targets/<name>.json); when given, a `precision.compute`
+        that one of the manifest's targets has no arithmetic for is refused, naming the target.
     min_bucket: dynamic dim name → the smallest size the model can be exported at (its ExportSpec's
         dim_minimums); buckets below it are refused.
     Raises ManifestError on the first problem found.
@@ -608,7 +624,7 @@ def load_manifest(
             message += f"; {newer_minor_note}"
         raise fail(field, message, hint)
     manifest = _strip_extensions(document)
-    for field, message, hint in _semantic_problems(manifest, known_targets, min_bucket):
+    for field, message, hint in _semantic_problems(manifest, known_targets, min_bucket, target_specs):
         raise fail(field, message, hint)
     return manifest
 
@@ -745,11 +761,26 @@ def dump_json(obj: Any, path: PathLike) -> None:
 # Command line
 
 
-def _known_targets_dir(value: str) -> List[str]:
+def _known_targets_dir(value: str) -> Path:
     directory = Path(value)
     if not directory.is_dir():
         raise argparse.ArgumentTypeError(f"not a directory: {value}")
-    return sorted(p.stem for p in directory.glob("*.json"))
+    return directory
+
+
+def read_target_specs(paths: Iterable[PathLike]) -> Dict[str, Dict[str, Any]]:
+    """Target specs by name (a spec's `name`, else its file name), for the precision check."""
+    specs = {}
+    for path in paths:
+        try:
+            spec = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise ManifestError(f"cannot read target spec: {err}", file=str(path),
+                                hint="pass a toolchains/targets/<name>.json file") from None
+        if not isinstance(spec, dict):
+            raise ManifestError("a target spec is a JSON object", file=str(path))
+        specs[str(spec.get("name", Path(path).stem))] = spec
+    return specs
 
 
 def _min_bucket(value: str) -> Tuple[str, int]:
@@ -788,6 +819,8 @@ def _parser() -> argparse.ArgumentParser:
     project_.add_argument("--target", help="target name (compile view)")
     project_.add_argument("--bucket", type=_bucket, metavar="DIM:SLOT", help="bucket slot (bucket view)")
     project_.add_argument("--out", required=True, help="output JSON file")
+    project_.add_argument("--target-spec", action="append", default=[], metavar="FILE",
+                          help="a target's spec: a precision.compute it has no arithmetic for is refused")
     return parser
 
 
@@ -800,8 +833,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             for field, views in explain(load_manifest(args.manifest)):
                 print(f"{field}: {', '.join(views)}")
             return 0
+        spec_files = list(getattr(args, "target_spec", []))
+        known = None
+        if args.known_targets_dir is not None:
+            spec_files += sorted(args.known_targets_dir.glob("*.json"))
+            known = sorted(p.stem for p in args.known_targets_dir.glob("*.json"))
         manifest = load_manifest(
-            args.manifest, known_targets=args.known_targets_dir, min_bucket=dict(args.min_bucket)
+            args.manifest, known_targets=known, min_bucket=dict(args.min_bucket),
+            target_specs=read_target_specs(spec_files) if spec_files else None,
         )
         if args.command == "validate":
             print(f"{args.manifest}: ok")

@@ -38,7 +38,7 @@ from dsa.stages.export import export_model, model_source_files
 from dsa.core.fileio import read_json, write_json_atomic
 from dsa.core.identity import identity
 from dsa.stages.lock import ModuleFiles, make_lock, stage_source_files
-from dsa.manifest.contract import load_manifest, project
+from dsa.manifest.contract import load_manifest, project, read_target_specs
 from dsa.core.formats import Lock, ModuleIndex
 from dsa.core.runtime_flags import index_runtime_flags
 from dsa.stages.params import build_params, check_checkpoint_digest, open_checkpoint
@@ -101,7 +101,9 @@ def build_into(
     stored in it as each finishes."""
     started = time.monotonic()
     known = sorted(p.stem for p in targets_dir.glob("*.json"))
-    manifest = load_manifest(manifest_path, known_targets=known)
+    # Every target's spec: a precision.compute one of them has no arithmetic for is refused before any work.
+    manifest = load_manifest(manifest_path, known_targets=known,
+                             target_specs=read_target_specs(sorted(targets_dir.glob("*.json"))))
     name = str(manifest_path)
     unlisted = sorted(set(targets or ()) - set(manifest["targets"]))
     if unlisted:

@@ -91,8 +91,10 @@ def execution_requirements(ctx):
     """The target's execution tags, as an action's execution_requirements."""
     return {tag: "" for tag in ctx.attr.tags if tag in _EXECUTION_TAGS}
 
-def manifest_view(ctx, manifest, view, out, target = None, bucket = None):
-    """Declares the small DsaManifest action that validates `manifest` and writes one projection."""
+def manifest_view(ctx, manifest, view, out, target = None, bucket = None, target_spec = None):
+    """Declares the small DsaManifest action that validates `manifest` and writes one projection. With
+    `target_spec` (the compile view's target), a precision.compute the target has no arithmetic for is refused
+    here, before any export."""
     args = ctx.actions.args()
     args.add("project")
     args.add(manifest)
@@ -102,10 +104,12 @@ def manifest_view(ctx, manifest, view, out, target = None, bucket = None):
         args.add("--target", target)
     if bucket:
         args.add("--bucket", bucket)
+    if target_spec:
+        args.add("--target-spec", target_spec)
     ctx.actions.run(
         executable = ctx.executable._manifest_tool,
         arguments = [args],
-        inputs = [manifest, ctx.file._toolchain_identity],
+        inputs = [manifest, ctx.file._toolchain_identity] + ([target_spec] if target_spec else []),
         outputs = [out],
         mnemonic = "DsaManifest",
         progress_message = "Validating %s: %s view of %s" % (ctx.label, view, manifest.short_path),

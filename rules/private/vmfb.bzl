@@ -97,7 +97,7 @@ def _dsa_vmfb_impl(ctx):
     # A tuning file is `<family>.<target>.json`: one for another target is refused (_tuning_for), before any
     # action (export included) runs. DsaCompile checks its family against the manifest's `tuning`.
     view = ctx.actions.declare_file("%s/compile_view.%s.json" % (name, target.name))
-    manifest_view(ctx, model.manifest, "compile", view, target = target.name)
+    manifest_view(ctx, model.manifest, "compile", view, target = target.name, target_spec = target.spec)
 
     vmfbs = []
     reports = []
