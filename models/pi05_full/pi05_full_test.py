@@ -46,11 +46,11 @@ def test_the_export_is_the_real_size_model_with_bf16_weights():
 def test_inputs_are_three_224_cameras_the_prompt_and_noise():
     record = json.loads(RECORD.read_text())
     assert [(s["name"], s["shape"]) for s in record["inputs"]] == [
-        ("observation.images.base_0_rgb", [1, 3, 224, 224]),
-        ("observation.images.left_wrist_0_rgb", [1, 3, 224, 224]),
-        ("observation.images.right_wrist_0_rgb", [1, 3, 224, 224]),
-        ("observation.language.tokens", [1, 200]),
-        ("observation.language.attention_mask", [1, 200]),
-        ("noise", [1, 50, 32]),
+        ("observation.images.base_0_rgb", ["batch", 3, 224, 224]),
+        ("observation.images.left_wrist_0_rgb", ["batch", 3, 224, 224]),
+        ("observation.images.right_wrist_0_rgb", ["batch", 3, 224, 224]),
+        ("observation.language.tokens", ["batch", 200]),
+        ("observation.language.attention_mask", ["batch", 200]),
+        ("noise", ["batch", 50, 32]),
         ("steps", []),
     ], "no state input (PI0.5 reads the state through its prompt)"
