@@ -18,6 +18,7 @@ _MODEL_INFO_FIELDS = [
     "export_view",
     "params_view",
     "checkpoint",
+    "checkpoint_shards",
     "runtime_view",
     "mlir",
     "export_record",
@@ -365,6 +366,26 @@ def _python_env_export_test_impl(ctx):
 # interpreter, with the environment's identity and the stage's own sources as inputs.
 python_env_export_test = analysistest.make(_python_env_export_test_impl)
 
+def _sharded_checkpoint_test_impl(ctx):
+    env = analysistest.begin(ctx)
+    info = analysistest.target_under_test(env)[DsaModelInfo]
+    asserts.equals(env, "model.safetensors.index.json", info.checkpoint.basename, "DsaModelInfo.checkpoint is the index")
+    names = [f.basename for f in info.checkpoint_shards]
+    asserts.equals(env, ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], names, "shards")
+    params = [a for a in analysistest.target_actions(env) if a.mnemonic == "DsaParams"]
+    asserts.equals(env, 1, len(params), "one DsaParams action")
+    if params:
+        inputs = [f.basename for f in params[0].inputs.to_list()]
+        for name in ["model.safetensors.index.json"] + names:
+            asserts.true(env, name in inputs, "DsaParams reads %s" % name)
+        argv = params[0].argv
+        asserts.equals(env, info.checkpoint.path, argv[argv.index("--checkpoint") + 1], "--checkpoint is the index")
+    return analysistest.end(env)
+
+# A dsa_model of a sharded checkpoint (a dsa_checkpoint with shards: the index and its shards): the provider
+# names the index and the shards, and DsaParams reads all of them.
+sharded_checkpoint_test = analysistest.make(_sharded_checkpoint_test_impl)
+
 # ---- (4) failure messages -----------------------------------------------------------------------------
 
 def _analysis_failure_test_impl(ctx):
@@ -470,6 +491,7 @@ def dsa_rules_analysis_tests(name):
             "frontend_source": "dsa/frontends/lerobot/__init__.py",
         }),
         (python_env_export_test, "dsa_model_with_python_env_exports_on_its_interpreter", {"target_under_test": ":env_model"}),
+        (sharded_checkpoint_test, "dsa_model_of_a_sharded_checkpoint_reads_the_index_and_every_shard", {"target_under_test": ":sharded_model"}),
 
         # (4) failure messages
         (analysis_failure_test, "dsa_bundle_with_module_and_pipeline_fails", {
@@ -495,6 +517,14 @@ def dsa_rules_analysis_tests(name):
         (analysis_failure_test, "dsa_vmfb_with_a_tuning_file_of_another_target_fails_before_any_action", {
             "target_under_test": ":vmfb_tuned_for_another_target",
             "message": "tuning toolchains/tuning/flow_vla.x86_64-v4.json is not for target x86_64-v3",
+        }),
+        (analysis_failure_test, "dsa_model_of_two_weight_files_without_an_index_fails", {
+            "target_under_test": ":model_of_two_weight_files",
+            "message": "`checkpoint` must be one weights file, or a sharded checkpoint's index (model.safetensors.index.json) and its shards; got 2 files, 0 index files",
+        }),
+        (analysis_failure_test, "dsa_model_with_a_shard_outside_its_index_directory_fails", {
+            "target_under_test": ":model_with_a_stray_shard",
+            "message": "checkpoint shard tests/rules/fixture.safetensors is not in the directory of its index",
         }),
         (analysis_failure_test, "dsa_model_with_a_python_env_that_is_no_env_fails", {
             "target_under_test": ":model_with_bad_python_env",
