@@ -13,6 +13,7 @@
     dsa profile --manifest M ...            the top dispatches, with their source ops and modules
     dsa bench | dsa tune MODEL...           the latency benchmark; measure compile flags for a model family
     dsa import-matrix                       the README's import matrix from built models
+    dsa scale MANIFEST... | --sweep pi0     real-size models' stages, runtime and eager: time and peak memory
     dsa execlog LOG                         what a build with --execution_log_json_file ran and what hit a cache
     dsa schema-doc                          the manifest schema reference (docs/manifest-schema.md)
     dsa rules-doc                           the rule reference (docs/rules.md)
@@ -44,6 +45,7 @@ COMMANDS: Dict[str, str] = {
     "bench": "dsa.tools.bench",
     "tune": "dsa.tools.tune",
     "import-matrix": "dsa.tools.import_matrix",
+    "scale": "dsa.tools.scale",
     "execlog": "dsa.tools.execlog",
     "schema-doc": "dsa.manifest.schema_doc",
     "rules-doc": "dsa.tools.rules_doc",

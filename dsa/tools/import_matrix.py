@@ -2,6 +2,7 @@
 
     ./bazelw test //models/...                    # first: the parity cells are the models' own test results
     ./bazelw run //tools:import_matrix [-- --models act,pi0] [--no-measure] [--out-dir DIR] [--runs 10]
+    ./bazelw run //tools:import_matrix -- --real-size   # also the real-size policies, as a second table
 
 Writes docs/import-matrix.md (the table, how it was made, machine, CPU, date, command), docs/import-matrix.json
 (the collected data the table is rendered from) and the same table into README.md between the lines
@@ -30,6 +31,13 @@ Writes docs/import-matrix.md (the table, how it was made, machine, CPU, date, co
 The measured module is the smallest bucket of a bucketed model (the module the runtime picks for the shortest
 input). A split policy (dsa_pipeline, e.g. //models:groot) gets one row per stage. `--no-measure` renders from
 the build and test outputs alone (the measured cells then read "not measured").
+
+Real sizes (`--real-size`): the policies of //models:policies_real_size_index (tagged real_size, built by hand:
+`bazel build //models:policies_real_size_index //models:pi0_full ...`), read from the bin directory they were
+built in, get a second table "Real sizes" with the same columns. Their compile re-run is measured here; their
+latency and import→vmfb are not (minutes a call, tens of GB): they come from `dsa scale` (docs/real-size.json,
+dsa/tools/scale.py), matched by the vmfb's sha256 like the benchmark's: its median runtime call at batch 1 and
+its ratio to eager, and its `dsa compile --no-cache` wall time and largest stage peak.
 
 Outputs are read from the runfiles tree under `bazel run` (the models are this binary's data) or from --bin;
 test results from the testlogs directory beside the bin directory (or --testlogs), so it works with any
@@ -89,6 +97,8 @@ class ModelSpec:
 # policy that is a pipeline's stage is part of the pipeline's row.
 POLICIES_INDEX = "models/policies_index.json"
 POLICIES_INDEX_FORMAT = 1
+# The real-size policies (tagged real_size: manual targets), indexed apart by the same dsa_policies call.
+POLICIES_REAL_SIZE_INDEX = "models/policies_real_size_index.json"
 
 
 def read_import_sources(bin_dir: Path) -> Dict[str, dict]:
@@ -99,12 +109,15 @@ def read_import_sources(bin_dir: Path) -> Dict[str, dict]:
     return {p["name"]: p for p in index["policies"] if "manifest" in p}
 
 
-def read_models(bin_dir: Path) -> List[ModelSpec]:
-    """The table's rows, from the policies index under `bin_dir`."""
-    path = bin_dir / POLICIES_INDEX
+def read_models(bin_dir: Path, index_file: str = POLICIES_INDEX) -> List[ModelSpec]:
+    """The table's rows, from the policies index (or the real-size index, `index_file`) under `bin_dir`."""
+    path = bin_dir / index_file
     if not path.is_file():
-        raise DsaError(str(path), "no policies index", "build it: `./bazelw build //models:policies_index` "
-                       "(or run `./bazelw run //tools:import_matrix`, which builds every policy)")
+        target = "//models:" + Path(index_file).stem
+        raise DsaError(str(path), "no policies index", f"build it: `./bazelw build {target}` "
+                       + ("(it builds no model; build the real-size policies themselves by hand)"
+                          if index_file == POLICIES_REAL_SIZE_INDEX else
+                          "(or run `./bazelw run //tools:import_matrix`, which builds every policy)"))
     index = json.loads(path.read_text())
     if index.get("format") != POLICIES_INDEX_FORMAT:
         raise DsaError(str(path), f"policies index format {index.get('format')!r} is not supported",
@@ -236,9 +249,16 @@ def front_end_of(base: Path, name: str) -> Optional[str]:
 
 def collect_files(spec: ModelSpec, unit: Unit, test: dict) -> dict:
     """One table row from the build and test outputs alone (nothing measured)."""
+    front_end = front_end_of(unit.base, unit.name)
+    if front_end is None and unit.modules:
+        # A build for a further target (<name>_<target>) shares its policy's model: <policy>_model/.
+        stem = unit.modules[0]["record"].parent.name
+        for suffix in ("_buckets", "_model"):
+            if stem.endswith(suffix):
+                front_end = front_end_of(unit.base, stem[: -len(suffix)])
     row = {
         "model": spec.name, "module": unit.name, "label": f"//models:{unit.name}", "test": spec.test,
-        "front_end": front_end_of(unit.base, unit.name),
+        "front_end": front_end,
         "pipeline": spec.name if spec.is_pipeline else None,
         "parity": test, "modules": len(unit.modules), "built": unit.index is not None,
         "export": False, "compile": False, "vmfb_bytes": None, "mlir_bytes": None, "irpa_bytes": None,
@@ -431,6 +451,54 @@ def attach_bench(row: dict, unit: Unit, bench: Dict[str, dict]) -> None:
         row["bench"] = bench.get(sha256_file(unit.modules[0]["vmfb"]))
 
 
+# Where `dsa scale` keeps its measurements (dsa/tools/scale.py).
+REAL_SIZE_RESULTS = "docs/real-size.json"
+
+
+def read_scale_results(path: Path) -> Dict[str, dict]:
+    """`dsa scale`'s measurements (docs/real-size.json) by the sha256 of each vmfb it built: the runtime at
+    batch 1 on that module's target (median call, first call, peak RSS, its ratio to eager), and the whole
+    `dsa compile --no-cache` (wall time, the largest stage peak and its stage; the stand-in is not an import
+    stage). The runtime ran the smallest bucket, the import matrix's measured module."""
+    if not path.is_file():
+        return {}
+    data = read_json(path)
+    found: Dict[str, dict] = {}
+    for subject in data.get("subjects", []):
+        stages = [s for s in subject.get("stages", []) if s["stage"] != "stand-in"]
+        peak = max(stages, key=lambda s: s["peak_rss_kib"]) if stages else None
+        eager = subject.get("eager") or {}
+        for target, modules in (subject.get("modules") or {}).items():
+            runtime = (subject.get("runtime") or {}).get(target) or {}
+            for i, module in enumerate(modules):
+                entry = {"key": subject["key"], "date": subject.get("date", "")[:10], "target": target,
+                         "source": path.name, "module": module["vmfb"]}
+                if peak is not None and subject.get("import_s") is not None:
+                    entry.update(import_s=subject["import_s"], import_peak_rss_kib=peak["peak_rss_kib"],
+                                 import_peak_stage=peak["stage"])
+                if i == 0 and "median_ms" in runtime:  # the module the runtime ran
+                    entry.update(latency_ms=runtime["median_ms"], latency_runs=runtime.get("runs"),
+                                 first_call_ms=runtime.get("first_call_ms"), vmhwm_kib=runtime.get("vmhwm_kib"),
+                                 inputs=runtime.get("inputs"))
+                    if eager.get("median_ms"):
+                        entry["vs_eager"] = round(runtime["median_ms"] / eager["median_ms"], 3)
+                elif i == 0 and runtime:
+                    entry["not_run"] = runtime.get("not_run") or "failed"
+                found[module["sha256"]] = entry
+    return found
+
+
+def attach_scale(row: dict, unit: Unit, scale: Dict[str, dict]) -> None:
+    """row["scale"]: `dsa scale`'s measurement of the row's measured module (the smallest bucket), if any; the
+    row is a real-size row (its latency is never measured here)."""
+    from dsa.core.fileio import sha256_file
+
+    row["real_size"] = True
+    row["scale"] = None
+    if scale and unit.modules and unit.modules[0]["vmfb"].is_file():
+        row["scale"] = scale.get(sha256_file(unit.modules[0]["vmfb"]))
+
+
 def _resolve(short_path: str, bin_dir: Path, workspace: Path) -> Path:
     """A runfiles short path from the policies index: a generated file (bin_dir), a source file (bin_dir under
     `bazel run`, else the workspace), or `../<repo>/...` in an external repository (the runfiles tree's
@@ -447,7 +515,7 @@ def _resolve(short_path: str, bin_dir: Path, workspace: Path) -> Path:
 
 
 def import_command(source: dict, out: Path, bin_dir: Path, workspace: Path) -> List[str]:
-    """`dsa compile` of one policy from the files its build used, in its build's Python environment."""
+    """`dsa compile --no-cache` of one policy from the files its build used, in its build's Python environment."""
     python = _resolve(source["python"], bin_dir, workspace) if source.get("python") else Path(sys.executable)
     root = bin_dir if (bin_dir / "toolchains" / "targets").is_dir() else workspace
     cmd = [str(python), "-m", "dsa", "compile", "--manifest", str(_resolve(source["manifest"], bin_dir, workspace)),
@@ -458,7 +526,8 @@ def import_command(source: dict, out: Path, bin_dir: Path, workspace: Path) -> L
         cmd += ["--policy-config", str(_resolve(source["policy_config"], bin_dir, workspace))]
     if source.get("model_file"):  # frameworks onnx, stablehlo: the file the build imported
         cmd += ["--model-file", str(_resolve(source["model_file"], bin_dir, workspace))]
-    return cmd
+    # Every stage run, none taken from the compile cache: the time is an import's, not a cache hit's.
+    return cmd + ["--no-cache"]
 
 
 def measure_import(source: dict, bin_dir: Path, workspace: Path, work: Path, where: str) -> dict:
@@ -480,9 +549,10 @@ def measure_import(source: dict, bin_dir: Path, workspace: Path, work: Path, whe
             "import_peak_stage": data["peak_stage"]}
 
 
-def measure_row(row: dict, unit: Unit, *, runs: int, threads: int) -> None:
+def measure_row(row: dict, unit: Unit, *, runs: int, threads: int, latency: bool = True) -> None:
     """Adds the measured cells to `row` (one module: the smallest bucket); failures become notes. The latency
-    is not measured again where the benchmark timed this module (row["bench"])."""
+    is not measured again where the benchmark timed this module (row["bench"]), nor without `latency` (a
+    real-size row: its latency comes from docs/real-size.json, row["scale"])."""
     if not row["compile"] or not row["export"]:
         return
     module = unit.modules[0]
@@ -494,7 +564,7 @@ def measure_row(row: dict, unit: Unit, *, runs: int, threads: int) -> None:
             row["measured"].update(measure_compile(module, Path(tmp), where))
         except DsaError as e:
             row["notes"].append(f"compile re-run: {e}")
-        if row.get("bench"):
+        if row.get("bench") or not latency:
             return
         try:
             row["measured"].update(measure_latency(unit, module, Path(tmp), runs=runs, threads=threads,
@@ -505,10 +575,12 @@ def measure_row(row: dict, unit: Unit, *, runs: int, threads: int) -> None:
 
 def collect(models: Sequence[ModelSpec], bin_dir: Path, testlogs: Path, *, measure: bool, runs: int,
             threads: int, log=print, sources: Optional[Dict[str, dict]] = None,
-            workspace: Optional[Path] = None, bench: Optional[Dict[str, dict]] = None) -> List[dict]:
+            workspace: Optional[Path] = None, bench: Optional[Dict[str, dict]] = None,
+            scale: Optional[Dict[str, dict]] = None) -> List[dict]:
     """The table's rows; with `measure`, each built module measured, and, for the policies in `sources`
     (read_import_sources), `dsa compile` timed from their manifest and checkpoint. `bench`
-    (read_bench_latencies) gives the latency of the modules the benchmark timed."""
+    (read_bench_latencies) gives the latency of the modules the benchmark timed. `scale`
+    (read_scale_results; real-size rows): latency and import→vmfb from `dsa scale`, never measured here."""
     sources = sources or {}
     rows = []
     for spec in models:
@@ -517,9 +589,11 @@ def collect(models: Sequence[ModelSpec], bin_dir: Path, testlogs: Path, *, measu
             unit = read_unit(bin_dir, name)
             row = collect_files(spec, unit, test)
             attach_bench(row, unit, bench or {})
+            if scale is not None:
+                attach_scale(row, unit, scale)
             if measure and unit.index is not None:
                 log(f"dsa-import-matrix: //models:{name} …")
-                measure_row(row, unit, runs=runs, threads=threads)
+                measure_row(row, unit, runs=runs, threads=threads, latency=scale is None)
                 if name in sources and row["measured"] is not None:
                     log(f"dsa-import-matrix: //models:{name}: dsa compile (import→vmfb) …")
                     with tempfile.TemporaryDirectory(prefix="dsa-import-matrix-import-") as tmp:
@@ -580,6 +654,15 @@ def fmt_bench(bench: dict) -> str:
     return f"{fmt_ms(bench['vmfb_ms'])} ({ratios})"
 
 
+def fmt_scale(scale: dict) -> str:
+    """`dsa scale`'s median runtime call and its ratio to eager, or why it did not run."""
+    if "latency_ms" not in scale:
+        return f"not run ({scale['not_run']})" if scale.get("not_run") else NOT_MEASURED
+    ms = scale["latency_ms"]
+    text = f"{ms / 1000:.1f} s" if ms >= 10_000 else fmt_ms(ms)  # real sizes: seconds a call
+    return text + (f" ({scale['vs_eager']:.2f}× eager)" if scale.get("vs_eager") else "")
+
+
 def _check(ok: bool) -> str:
     return "✓" if ok else "✗"
 
@@ -615,12 +698,20 @@ def row_cells(row: dict) -> List[str]:
         timing = [NOT_MEASURED] * 4
     if row["compile"] and bench:
         timing[3] = fmt_bench(bench)
+    scale = row.get("scale")
+    if row["compile"] and row.get("real_size"):
+        # Real sizes: latency and import→vmfb from `dsa scale` (docs/real-size.json), never measured here.
+        timing[2] = fmt_import(scale) if scale else NOT_MEASURED
+        timing[3] = fmt_scale(scale) if scale else NOT_MEASURED
     measured_on = MISSING
     if measured:
         measured_on = measured["module"] + (f" ({measured['inputs']})" if measured.get("inputs") else "")
     if bench:
         module = (row.get("measured") or {}).get("module") or "smallest bucket"
         measured_on = f"{module} (bench {bench['date']}: {bench['case']})"
+    if scale and "latency_ms" in scale:
+        module = (row.get("measured") or {}).get("module") or "smallest bucket"
+        measured_on = f"{module} ({scale['source']} {scale['date']}: {scale.get('inputs') or 'static shapes'})"
     framework = row.get("front_end")
     front_end = FRONT_ENDS.get(framework, framework) if framework else MISSING
     return [f"`{model}`", front_end, _check(row["export"]), compile_cell, fmt_parity(row["parity"]),
@@ -634,12 +725,34 @@ _RIGHT = {"vmfb", "irpa", "MLIR", "params", "compile time", "peak RSS", "import�
           "latency (median)"}
 
 
-def render_table(data: dict) -> str:
-    """The matrix as a Markdown table (with a one-line caption naming the machine and the notes)."""
+def _table(rows: Sequence[dict]) -> List[str]:
     lines = ["| " + " | ".join(HEADER) + " |",
              "|" + "|".join("---:" if h in _RIGHT else "---" for h in HEADER) + "|"]
-    for row in data["rows"]:
-        lines.append("| " + " | ".join(row_cells(row)) + " |")
+    return lines + ["| " + " | ".join(row_cells(row)) + " |" for row in rows]
+
+
+def render_real_size(data: dict) -> List[str]:
+    """The second table, "Real sizes" (the real-size policies), when the data has it."""
+    real = data.get("real_size")
+    if not real:
+        return []
+    lines = ["", "**Real sizes** (the real-size policies, `--real-size`):", ""] + _table(real["rows"])
+    lines += ["", f"Real sizes: built by hand in {real.get('bin') or 'the bin directory'}; compile time and peak RSS "
+                  "measured here as above; import→vmfb and latency from `dsa scale` "
+                  f"({real.get('results') or REAL_SIZE_RESULTS}, docs/real-size.md), matched by the vmfb's "
+                  "sha256: its `dsa compile --no-cache` of the same manifest and stand-in, and its median runtime "
+                  "call at batch 1 with the ratio to eager in the subject's environment."]
+    notes = [(row, note) for row in real["rows"] for note in row["notes"]]
+    if notes:
+        lines.append("")
+        lines += [f"* `{row['module']}`: {note}" for row, note in notes]
+    return lines
+
+
+def render_table(data: dict) -> str:
+    """The matrix as a Markdown table (with a one-line caption naming the machine and the notes), and the
+    real-size policies' table after it when the data has them."""
+    lines = _table(data["rows"])
     machine = data["machine"]
     caption = (f"Generated {data['date']} by `{data['command']}` on {machine['cpu']} "
                f"({machine['threads']} threads, target {data['target'] or MISSING}); ")
@@ -655,14 +768,19 @@ def render_table(data: dict) -> str:
                     "timed the module (bench/results.json).")
     lines += ["", caption]
     notes = [(row, note) for row in data["rows"] for note in row["notes"]]
-    mismatched = [row for row in data["rows"] if (row.get("measured") or {}).get("identical") is False]
+    mismatched = [row for row in _all_rows(data) if (row.get("measured") or {}).get("identical") is False]
     for row in mismatched:
         notes.append((row, "**the re-compiled vmfb is not byte-identical to the built one** "
                            f"(built {row['measured']['built_sha256']}, re-run {row['measured']['vmfb_sha256']})"))
     if notes:
         lines.append("")
         lines += [f"* `{row['module']}`: {note}" for row, note in notes]
+    lines += render_real_size(data)
     return "\n".join(lines) + "\n"
+
+
+def _all_rows(data: dict) -> List[dict]:
+    return list(data["rows"]) + list((data.get("real_size") or {}).get("rows", []))
 
 
 def render_document(data: dict) -> str:
@@ -707,6 +825,10 @@ def render_document(data: dict) -> str:
         "smallest size, bucketed inputs at the module's bucket, the step-count input at the manifest's "
         "`flow_steps`).",
         "* **measured on**: the module measured (a bucketed model: its smallest bucket) and its input sizes.",
+        "* **Real sizes** (`--real-size`): the real-size policies (tagged `real_size`, built by hand), with the same "
+        "columns; their **import→vmfb** and **latency** are `dsa scale`'s (docs/real-size.json, docs/real-size.md: "
+        "`dsa compile --no-cache` from the same manifest and stand-in, and the module at batch 1 against eager in "
+        "the subject's environment), matched by the vmfb's sha256, never measured by this tool (minutes a call).",
         "",
         "## How it was generated",
         "",
@@ -794,6 +916,24 @@ def _machine(threads: int) -> dict:
             "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg())}
 
 
+def real_size_bin(bin_dir: Path) -> Path:
+    """Where the real-size policies are: built by hand (manual targets), never this binary's data, so under
+    `bazel run` the bin directory that holds the runfiles tree; else `bin_dir`."""
+    if (bin_dir / POLICIES_REAL_SIZE_INDEX).is_file() or not _in_runfiles(bin_dir):
+        return bin_dir
+    for parent in bin_dir.parents:
+        if parent.name == "bin" and not _in_runfiles(parent):
+            return parent
+    return bin_dir
+
+
+def _shown(path: Path, workspace: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(workspace.resolve()))
+    except ValueError:
+        return str(path)
+
+
 def select_models(names: Optional[str], models: Sequence[ModelSpec]) -> List[ModelSpec]:
     if not names:
         return list(models)
@@ -827,6 +967,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--bench-results", type=Path, help="the benchmark's results.json whose latencies the "
                         "table takes for the modules it timed (default: <workspace>/bench/results.json; "
                         "--bench-results '' for none)")
+    parser.add_argument("--real-size", action="store_true",
+                        help="also the real-size policies (//models:policies_real_size_index, built by hand), as a "
+                        "second table; their latency and import→vmfb from `dsa scale` (--real-size-results)")
+    parser.add_argument("--real-size-bin", type=Path, help="the bin directory the real-size policies were built in "
+                        "(default: --bin, else the bin directory of this output base)")
+    parser.add_argument("--real-size-results", type=Path, help=f"dsa scale's data (default: <workspace>/"
+                        f"{REAL_SIZE_RESULTS})")
     a = parser.parse_args(argv)
     if a.runs < 1:
         raise DsaError("--runs", f"{a.runs} is not a positive number of repetitions")
@@ -856,6 +1003,16 @@ def main(argv: Optional[List[str]] = None) -> None:
         rows = collect(select_models(a.models, read_models(bin_dir)), bin_dir, testlogs, measure=not a.no_measure,
                        runs=a.runs, threads=a.threads, workspace=workspace,
                        sources=None if a.no_import else read_import_sources(bin_dir), bench=bench)
+        real_size = None
+        if a.real_size:
+            real_bin = a.real_size_bin or real_size_bin(bin_dir)
+            results_path = a.real_size_results or workspace / REAL_SIZE_RESULTS
+            print(f"dsa import-matrix: real-size outputs from {real_bin}, dsa scale's data from {results_path}",
+                  flush=True)
+            real_rows = collect(read_models(real_bin, POLICIES_REAL_SIZE_INDEX), real_bin, testlogs,
+                                measure=not a.no_measure, runs=a.runs, threads=a.threads, workspace=workspace,
+                                bench={}, scale=read_scale_results(results_path))
+            real_size = {"bin": str(real_bin), "results": _shown(results_path, workspace), "rows": real_rows}
         targets = sorted({r["target"] for r in rows if r["target"]})
         data = {
             "format": DATA_FORMAT,
@@ -868,6 +1025,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             "toolchain": _toolchain(),
             "rows": rows,
         }
+        if real_size is not None:
+            data["real_size"] = real_size
         data = json.loads(json.dumps(data, default=str))  # paths → strings: what the JSON file holds
         write_json_atomic(out_dir / "import-matrix.json", data)
     document = render_document(data)
@@ -878,7 +1037,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(render_table(data))
     print(f"dsa-import-matrix: wrote {out_dir / 'import-matrix.md'}"
           + (f" and the marked section of {readme}" if readme is not None else ""))
-    mismatched = [r["module"] for r in data["rows"] if (r.get("measured") or {}).get("identical") is False]
+    mismatched = [r["module"] for r in _all_rows(data) if (r.get("measured") or {}).get("identical") is False]
     if mismatched:
         raise DsaError("iree-compile re-run", f"the re-compiled vmfb of {', '.join(mismatched)} is not "
                        "byte-identical to the built one", "the build is not reproducible on this machine: "

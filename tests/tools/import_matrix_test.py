@@ -111,7 +111,9 @@ def test_import_command_builds_the_policy_from_its_build_inputs_in_its_own_envir
               "policy_config": "models/act_policy/config.json", "python": "../dsa_lerobot_python/bin/python3"}
     cmd = im.import_command(source, tmp_path / "out", runfiles, tmp_path / "ws")
     assert cmd[:4] == [str(python), "-m", "dsa", "compile"]
-    flags = dict(zip(cmd[4::2], cmd[5::2]))
+    # Every stage run: never a compile-cache hit timed as an import.
+    assert cmd[-1] == "--no-cache" and cmd.count("--no-cache") == 1
+    flags = dict(zip(cmd[4:-1:2], cmd[5:-1:2]))
     assert flags == {"--manifest": str(runfiles / "manifests/act.yaml"), "--out": str(tmp_path / "out"),
                      "--checkpoint": str(runfiles / "models/act_policy/model.safetensors"),
                      "--targets-dir": str(runfiles / "toolchains/targets"),
@@ -285,7 +287,9 @@ def test_every_manifest_is_a_row_or_a_stage_of_the_matrix():
     model_ids = {yaml.safe_load(p.read_text())["model_id"] for p in manifests.glob("*.yaml")}
     assert model_ids, manifests
     models = im.read_models(_runfiles_bin())
-    rows = {m.name for m in models} | {stage for m in models for stage in (m.stages or ())}
+    # The real-size policies (tagged real_size, built by hand) are the second table's rows.
+    real = im.read_models(_runfiles_bin(), im.POLICIES_REAL_SIZE_INDEX)
+    rows = {m.name for m in models + real} | {stage for m in models + real for stage in (m.stages or ())}
     assert model_ids <= rows, sorted(model_ids - rows)
     tests = {m.name: m.test for m in models}
     assert tests["pi0"] == "//models/pi0:pi0_test" and tests["groot"] == "//models/groot:groot_test"
@@ -354,3 +358,109 @@ def test_the_front_end_is_read_from_the_models_export_view(tmp_path):
     (tmp_path / "jax_policy_model" / "export_view.json").write_text(json.dumps({"framework": "stablehlo"}))
     assert im.front_end_of(tmp_path, "jax_policy") == "stablehlo"
     assert im.front_end_of(tmp_path, "not_built") is None
+
+
+# -- real sizes: a second table whose latency and import→vmfb come from `dsa scale` ----------------------------
+def _scale_subject(key, shas, runtime, eager=None):
+    return {"key": key, "date": "2026-12-04 17:00", "import_s": 231.0,
+            "stages": [{"stage": "stand-in", "wall_s": 72.0, "peak_rss_kib": 4_100_000},
+                       {"stage": "export", "wall_s": 44.0, "peak_rss_kib": 1_500_000},
+                       {"stage": "params", "wall_s": 29.0, "peak_rss_kib": 1_100_000}],
+            "modules": {target: [{"vmfb": f"{target}/batch_0.vmfb", "sha256": sha}] for target, sha in shas.items()},
+            "runtime": runtime, "eager": eager or {}}
+
+
+SCALE = {"format": 1, "subjects": [
+    _scale_subject("pi0_full", {"x86_64-v3": "c3" * 32, "x86_64-v4": "c4" * 32},
+                   {"x86_64-v3": {"median_ms": 41_000.0, "runs": 3, "first_call_ms": 50_000.0,
+                                  "vmhwm_kib": 6_000_000, "inputs": "batch=1, steps=10"},
+                    "x86_64-v4": {"not_run": "it needs the CPU features avx512f, which this CPU lacks"}},
+                   {"median_ms": 32_000.0}),
+]}
+
+
+def test_scale_results_are_keyed_by_the_vmfb_sha256_with_the_import_and_the_eager_ratio(tmp_path):
+    path = tmp_path / "real-size.json"
+    path.write_text(json.dumps(SCALE))
+    found = im.read_scale_results(path)
+    assert set(found) == {"c3" * 32, "c4" * 32}
+    v3 = found["c3" * 32]
+    assert (v3["latency_ms"], v3["vs_eager"], v3["target"], v3["date"]) == (41_000.0, 1.281, "x86_64-v3", "2026-12-04")
+    # The import is dsa compile's: its largest stage, never the stand-in made before it.
+    assert (v3["import_s"], v3["import_peak_rss_kib"], v3["import_peak_stage"]) == (231.0, 1_500_000, "export")
+    assert "latency_ms" not in found["c4" * 32] and "avx512f" in found["c4" * 32]["not_run"]
+    assert im.read_scale_results(tmp_path / "absent.json") == {}
+
+
+def test_real_size_rows_take_latency_and_import_from_scale_never_their_own(tmp_path):
+    import hashlib
+
+    vmfb = tmp_path / "batch_0.vmfb"
+    vmfb.write_bytes(b"real-size module")
+    sha = hashlib.sha256(b"real-size module").hexdigest()
+    subjects = [_scale_subject("pi0_full", {"x86_64-v3": sha}, {"x86_64-v3": dict(
+        SCALE["subjects"][0]["runtime"]["x86_64-v3"])}, {"median_ms": 32_000.0})]
+    path = tmp_path / "real-size.json"
+    path.write_text(json.dumps({"format": 1, "subjects": subjects}))
+    scale = im.read_scale_results(path)
+    unit = im.Unit("pi0_full", {}, tmp_path, [{"vmfb": vmfb}])
+    row = _row("pi0_full", front_end="lerobot", params=3_240_000_000,
+               measured={"module": "batch_0", "compile_s": 47.0, "peak_rss_kib": 300_000, "identical": True})
+    im.attach_scale(row, unit, scale)
+    assert row["real_size"] and row["scale"]["key"] == "pi0_full"
+    unmatched = _row("pi05_full", front_end="lerobot", measured={"module": "batch_0", "compile_s": 46.0,
+                                                                 "peak_rss_kib": 290_000, "identical": True})
+    im.attach_scale(unmatched, unit, {})
+    assert unmatched["real_size"] and unmatched["scale"] is None
+    data = dict(DATA, real_size={"bin": "bazel-bin", "results": "docs/real-size.json", "rows": [row, unmatched]})
+    table = im.render_table(data)
+    # The first table is unchanged; the second has the same columns.
+    assert table.startswith(im.render_table(DATA).split("\n\nGenerated")[0])
+    second = table[table.index("**Real sizes**"):]
+    assert second.count(im.render_table(DATA).splitlines()[0]) == 1
+    pi0, pi05 = [[c.strip() for c in r.split("|")[1:-1]] for r in _table_rows(second)]
+    assert pi0[0] == "`pi0_full`" and pi0[8] == "3.24 B"
+    assert pi0[9:13] == ["47.0 s", "293 MiB", "231 s, 1.4 GiB (export)", "41.0 s (1.28× eager)"]
+    assert pi0[13] == "batch_0 (real-size.json 2026-12-04: batch=1, steps=10)"
+    assert pi05[11:13] == [im.NOT_MEASURED, im.NOT_MEASURED]
+    assert "docs/real-size.json" in second
+    assert im.render_table(data) == table
+
+
+def test_a_target_scale_did_not_run_says_why():
+    assert im.fmt_scale({"not_run": "it needs avx512f"}) == "not run (it needs avx512f)"
+    assert im.fmt_scale({"latency_ms": 35_000.0}) == "35.0 s"
+    assert im.fmt_scale({"latency_ms": 420.0, "vs_eager": 0.5}) == "420.0 ms (0.50× eager)"
+    assert im.fmt_scale({}) == im.NOT_MEASURED
+
+
+def test_real_size_rows_come_from_their_own_index(tmp_path):
+    (tmp_path / "models").mkdir()
+    index = {"format": 1, "policies": [{"name": "pi0_full", "test": "//models/pi0_full:pi0_full_test"},
+                                       {"name": "pi0_full_x86_64-v4", "test": "//models/pi0_full:pi0_full_test"}],
+             "pipelines": []}
+    (tmp_path / "models" / "policies_real_size_index.json").write_text(json.dumps(index))
+    rows = im.read_models(tmp_path, im.POLICIES_REAL_SIZE_INDEX)
+    assert [m.name for m in rows] == ["pi0_full", "pi0_full_x86_64-v4"]
+    with pytest.raises(DsaError, match="//models:policies_real_size_index"):
+        im.read_models(tmp_path / "none", im.POLICIES_REAL_SIZE_INDEX)
+
+
+def test_the_real_size_outputs_are_read_beside_the_runfiles_not_in_them(tmp_path):
+    bin_dir = tmp_path / "out" / "bin"
+    runfiles = bin_dir / "tools" / "import_matrix.runfiles" / "_main"
+    runfiles.mkdir(parents=True)
+    assert im.real_size_bin(runfiles) == bin_dir
+    assert im.real_size_bin(bin_dir) == bin_dir
+    (runfiles / "models").mkdir()
+    (runfiles / im.POLICIES_REAL_SIZE_INDEX).write_text("{}")
+    assert im.real_size_bin(runfiles) == runfiles
+
+
+def test_a_build_for_a_further_target_takes_its_policys_front_end(tmp_path):
+    (tmp_path / "pi0_full_model").mkdir()
+    (tmp_path / "pi0_full_model" / "export_view.json").write_text(json.dumps({"framework": "lerobot"}))
+    record = tmp_path / "pi0_full_buckets" / "batch_0.export_record.json"
+    unit = im.Unit("pi0_full_x86_64-v4", None, tmp_path, [{"vmfb": tmp_path / "x.vmfb", "record": record}])
+    row = im.collect_files(im.ModelSpec("pi0_full_x86_64-v4", ""), unit, {"status": im.NOT_RUN})
+    assert row["front_end"] == "lerobot"
