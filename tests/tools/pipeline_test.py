@@ -47,7 +47,9 @@ def test_dsa_compile_matches_bazel_build_byte_for_byte(tmp_path):
     assert stages[:3] == ["checkpoint", "export", "params"]
     assert stages[3:] == [f"export prompt_len_{i}" for i in range(3)] + \
         [f"compile prompt_len_{i} x86_64-v3" for i in range(3)]
-    assert all(t["wall_s"] > 0 and t["peak_rss_kib"] > 50 * 1024 for t in timings["stages"])
+    # Measured: any Python process peaks over 8 MiB (the streamed stages of this 2.4M-parameter policy can
+    # peak below the 50 MiB a stage that imports torch starts at).
+    assert all(t["wall_s"] > 0 and t["peak_rss_kib"] > 8 * 1024 for t in timings["stages"]), timings
     assert timings["total_s"] >= sum(t["wall_s"] for t in timings["stages"])
     assert timings["peak_rss_kib"] == max(t["peak_rss_kib"] for t in timings["stages"])
 
