@@ -61,12 +61,14 @@ def test_every_public_name_of_defs_bzl_has_a_section_of_its_kind(text):
 @pytest.mark.parametrize("rule, attribute, row", [
     ("dsa_vmfb", "tuning", "| `tuning` | label | optional, default `None` | one file: `.json` | "
      + cell("Tuning file for this model family and target (toolchains/tuning/<family>.<target>.json).") + " |"),
-    ("dsa_model", "checkpoint", "| `checkpoint` | label | mandatory | one file: `.safetensors`, `.onnx`, `.data`, "
-     "`.bin` | Checkpoint: safetensors; for framework onnx the model's external-data file (or the .onnx file when "
-     "its weights are inline). Its sha256 must match the manifest's. |"),
+    ("dsa_model", "checkpoint", "| `checkpoint` | label | mandatory | files: `.safetensors`, `.json`, `.onnx`, "
+     "`.data`, `.bin` | Checkpoint: a safetensors file, or a sharded checkpoint (a filegroup of its "
+     "model.safetensors.index.json and its shards, in one directory); for framework onnx the model's external-data "
+     "file (or the .onnx file when its weights are inline). Its sha256 (and each shard's) must match the manifest's. |"),
     ("dsa_bucket", "dim", "| `dim` | string | mandatory |  | The dynamic dim to bucket (e.g. prompt_len). |"),
     ("dsa_target", "spec", "| `spec` | label | mandatory | one file: `.json` | Target spec (JSON): device, backends, runtime driver, flags. |"),
-    ("dsa_checkpoint", "out", "| `out` | output | mandatory |  | The .safetensors file to write. |"),
+    ("dsa_checkpoint", "out", "| `out` | output | optional, default `None` |  | The .safetensors file to write (without "
+     "`shards`). |"),
     ("dsa_lerobot_policy", "config", "| `config` | label | mandatory | one file: `.json` | Policy type and config fields (JSON). |"),
     ("dsa_pipeline", "stages", "| `stages` | label_list | mandatory | providers: `DsaModuleInfo` | dsa_vmfb targets, in run order. |"),
     ("dsa_bundle", "module", "| `module` | label | optional, default `None` | providers: `DsaModuleInfo` | A dsa_vmfb (or set `modules` or `pipeline`). |"),
