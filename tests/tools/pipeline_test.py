@@ -47,9 +47,13 @@ def test_dsa_compile_matches_bazel_build_byte_for_byte(tmp_path):
     assert stages[:3] == ["checkpoint", "export", "params"]
     assert stages[3:] == [f"export prompt_len_{i}" for i in range(3)] + \
         [f"compile prompt_len_{i} x86_64-v3" for i in range(3)]
-    # Measured: any Python process peaks over 8 MiB (the streamed stages of this 2.4M-parameter policy can
-    # peak below the 50 MiB a stage that imports torch starts at).
-    assert all(t["wall_s"] > 0 and t["peak_rss_kib"] > 8 * 1024 for t in timings["stages"]), timings
+    # Measured: every stage that imports torch or IREE's compiler peaks over 50 MiB. The parameter stage
+    # imports neither and streams one tensor at a time: measured (over a Python process's 8 MiB), and below
+    # the export's peak (35 MiB against 440 MiB for this policy).
+    peaks = {t["stage"]: t["peak_rss_kib"] for t in timings["stages"]}
+    assert all(t["wall_s"] > 0 for t in timings["stages"]), timings
+    assert all(kib > 50 * 1024 for stage, kib in peaks.items() if stage != "params"), peaks
+    assert 8 * 1024 < peaks["params"] < peaks["export"], peaks
     assert timings["total_s"] >= sum(t["wall_s"] for t in timings["stages"])
     assert timings["peak_rss_kib"] == max(t["peak_rss_kib"] for t in timings["stages"])
 
