@@ -193,7 +193,8 @@ def _dsa_checkpoint_impl(ctx):
         env = ACTION_ENV,
         execution_requirements = execution_requirements(ctx),
     )
-    return [DefaultInfo(files = depset(outputs))]
+    # Runfiles too: a test that lists the checkpoint in `data` reads it (a sharded one by its index).
+    return [DefaultInfo(files = depset(outputs), runfiles = ctx.runfiles(files = outputs))]
 
 dsa_checkpoint = rule(
     implementation = _dsa_checkpoint_impl,
