@@ -14,6 +14,10 @@ from dsa.core.errors import DsaError
 # the compiler's default can need more than the runtime's default 128 KiB worker stack, and overflows it
 # (a crash, not an error) without the flag.
 RUNTIME_FLAGS = ("--task_worker_stack_size",)
+# The largest value any of them may take: a worker stack of 64 MiB is far beyond any module's need (the largest
+# stack-allocation limit a tuning may set is 8 MiB, dsa/stages/compile_flags.py), and a larger one is a
+# per-thread reservation that can abort the runner (2^63-1 did).
+MAX_RUNTIME_FLAG_VALUE = 64 * 1024 * 1024
 
 
 def runtime_flag_values(flags, where: str) -> Dict[str, int]:
@@ -27,8 +31,9 @@ def runtime_flag_values(flags, where: str) -> Dict[str, int]:
         if name not in RUNTIME_FLAGS:
             raise DsaError(where, f"runtime flag {flag!r} is not one a tuning may require",
                            f"allowed: {', '.join(f'{n}=BYTES' for n in RUNTIME_FLAGS)}")
-        if not sep or not value.isdigit() or int(value) <= 0:
-            raise DsaError(where, f"runtime flag {flag!r} needs a positive byte count", f"write {name}=524288")
+        if not sep or not value.isdigit() or len(value) > 12 or not 0 < int(value) <= MAX_RUNTIME_FLAG_VALUE:
+            raise DsaError(where, f"runtime flag {flag[:80]!r} needs a positive byte count of at most "
+                           f"{MAX_RUNTIME_FLAG_VALUE} (64 MiB)", f"write {name}=524288")
         values[name] = int(value)
     return values
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -22,6 +23,7 @@ from dsa.core.fileio import atomic_output, read_json, sha256_file
 from dsa.core.formats import REPORT_FORMAT, CompileReport
 from dsa.core.runtime_flags import merge_runtime_flags, runtime_flag_values
 from dsa.manifest.contract import ManifestError, check_precision_for_target
+from dsa.stages.compile_flags import check_target_flags, check_tuning_flags
 from dsa.stages.iree_tools import first_error_line, iree_compile_path  # noqa: F401 (part of this module's API)
 
 TUNING_FORMAT = 1
@@ -38,28 +40,15 @@ def target_flags(target: dict, where: str) -> List[str]:
     for key in ("name", "device", "backends", "runtime_driver", "flags"):
         if key not in target:
             raise DsaError(where, f"target spec has no '{key}'", "see toolchains/targets/x86_64-v3.json")
-    for flag in target["flags"]:
-        if flag.endswith("=host"):
-            raise DsaError(
-                where,
-                f"flag '{flag}' compiles for the build machine's own CPU: the artifact would not be "
-                "reproducible or portable",
-                "name an explicit CPU (e.g. --iree-llvmcpu-target-cpu=x86-64-v3)",
-            )
-        if flag.startswith(("--iree-hal-target-device=", "--iree-hal-target-backends=")):
+    if not isinstance(target["device"], str) or not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", target["device"]):
+        raise DsaError(where, f"target spec 'device' {str(target['device'])[:80]!r} is not a device name",
+                       "set 'device' to local, cuda, hip or vulkan")
+    for flag in target["flags"] if isinstance(target["flags"], list) else []:
+        if isinstance(flag, str) and flag.startswith(("--iree-hal-target-device=", "--iree-hal-target-backends=")):
             raise DsaError(where, f"flag '{flag}' chooses the device, which the spec's 'device' field owns",
                            "set 'device' (local, cuda, hip, vulkan) and keep the backend's flags in 'flags'")
+    check_target_flags(target["flags"], where)
     return [f"--iree-hal-target-device={target['device']}", *target["flags"]]
-
-
-# Flags a tuning file may not set: they choose the device, the CPU or the input, or undo reproducibility.
-_TUNING_FORBIDDEN = (
-    "--iree-hal-target-device", "--iree-hal-local-target-device-backends", "--iree-hal-target-backends",
-    "--iree-llvmcpu-target-triple", "--iree-llvmcpu-target-cpu", "--iree-llvmcpu-target-cpu-features",
-    "--iree-llvmcpu-target-abi", "--iree-cuda-target", "--iree-rocm-target", "--iree-vulkan-target",
-    "--iree-input-type", "--iree-vm-bytecode-module-strip-source-map", "--iree-llvmcpu-debug-symbols",
-    "--mlir-print-debuginfo", "-o", "--compile-to", "--output-format",
-)
 
 
 def tuning_flags(tuning: dict, target: dict, where: str) -> List[str]:
@@ -73,13 +62,7 @@ def tuning_flags(tuning: dict, target: dict, where: str) -> List[str]:
     if tuning["target"] != target["name"]:
         raise DsaError(where, f"tuning is for target '{tuning['target']}' but this compile is for "
                        f"'{target['name']}'", f"use toolchains/tuning/{tuning['family']}.{target['name']}.json")
-    flags = tuning["flags"]
-    if not isinstance(flags, list) or not all(isinstance(f, str) and f.startswith("--") for f in flags):
-        raise DsaError(where, "tuning 'flags' must be a list of '--flag[=value]' strings")
-    for flag in flags:
-        if flag.partition("=")[0] in _TUNING_FORBIDDEN or flag.endswith("=host"):
-            raise DsaError(where, f"tuning flag '{flag}' is not allowed: the target spec and the rule set own "
-                           "the device, CPU, input and reproducibility flags", "remove it from the tuning file")
+    flags = check_tuning_flags(tuning["flags"], where)
     runtime_flag_values(tuning.get("runtime_flags", []), where)
     return list(flags)
 

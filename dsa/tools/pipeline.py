@@ -32,7 +32,7 @@ from typing import List, Optional
 
 from dsa.core.formats import ExportRecord
 from dsa.stages.checkpoint import make_checkpoint
-from dsa.stages.compile import check_tuning_family, compile_module, tuning_flags
+from dsa.stages.compile import check_tuning_family, compile_module, target_flags, tuning_flags
 from dsa.core.errors import DsaError, run_cli
 from dsa.stages.export import export_model, model_source_files
 from dsa.core.fileio import read_json, write_json_atomic
@@ -430,6 +430,9 @@ def resolve_tuning(manifest: dict, name: str, targets_dir: Path, tuning_dir: Pat
                        f"({', '.join(manifest['targets'])})", "tune a target the manifest lists")
     family = manifest.get("tuning")
     for target_name in manifest["targets"]:
+        spec_path = targets_dir / f"{target_name}.json"
+        if spec_path.is_file():  # every spec's flags checked before any stage runs (compile_flags allow-list)
+            target_flags(read_json(spec_path), str(spec_path))
         if target_name not in given and family is not None:
             path = tuning_dir / f"{family}.{target_name}.json"
             if not path.is_file():

@@ -35,6 +35,7 @@ from typing import Dict, List, Optional
 
 from dsa.tools import bench
 from dsa.stages.compile import TUNING_FORMAT
+from dsa.stages.compile_flags import check_tuning_flags
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, write_json_atomic
 from dsa.core.runtime_flags import merge_runtime_flags, runtime_flag_values
@@ -50,6 +51,7 @@ def _check_candidates(path: Path, where: str, candidates) -> None:
     for c in candidates:
         if not isinstance(c, dict) or "name" not in c or not isinstance(c.get("flags"), list):
             raise DsaError(str(path), f"{where}: candidate {c!r} is not {{name, flags: [...]}}")
+        check_tuning_flags(c["flags"], f"{path}: {where}", f"candidate '{c['name']}'")
         runtime_flag_values(c.get("runtime_flags", []), f"{path}: {where}: candidate '{c['name']}'")
         if not isinstance(c.get("targets", []), list):
             raise DsaError(str(path), f"{where}: candidate '{c['name']}': 'targets' is not a list of target names")

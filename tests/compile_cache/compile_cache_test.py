@@ -111,8 +111,8 @@ class Ran:
         return stages
 
 
-def build(manifest: Path, out: Path, cache, *, seed=0, targets=("x86_64-v3",), tuning=None):
-    return pipeline.run_pipeline(manifest, out, targets_dir=TARGETS, seeded_checkpoint=seed,
+def build(manifest: Path, out: Path, cache, *, seed=0, targets=("x86_64-v3",), tuning=None, targets_dir=TARGETS):
+    return pipeline.run_pipeline(manifest, out, targets_dir=targets_dir, seeded_checkpoint=seed,
                                  pythonpath=[str(HERE)], requirements_lock=REQUIREMENTS_LOCK,
                                  targets=list(targets), tuning=tuning or {}, cache=cache)
 
@@ -341,26 +341,28 @@ def test_a_large_file_is_stat_checked_and_confirmed_by_the_locks_digest(warm, ca
 
 
 def test_a_failed_compile_keeps_export_and_params_even_in_a_deleted_cache(warm, cache_dir, tmp_path, monkeypatch):
-    """The cache directory is deleted between runs (safe: it is made again); then a compile fails on a bad
-    tuning flag: --out is not written, but the finished stages are in the cache, and the next run with a good
-    tuning file compiles and nothing else."""
+    """The cache directory is deleted between runs (safe: it is made again); then a compile fails (a target
+    spec naming a CPU that iree-compile does not know): --out is not written, but the finished stages are in
+    the cache, and the next run with the good spec compiles and nothing else."""
     manifest, first, _ = warm
     cache = CompileCache.open(cache_dir)
     shutil.rmtree(cache_dir)
     ran = Ran(monkeypatch)
-    tuning = tmp_path / "tiny.x86_64-v3.json"
-    tuning.write_text('{"format": 1, "family": "tiny", "target": "x86_64-v3", "flags": ["--iree-no-such-flag"]}')
+    bad_targets = tmp_path / "targets"
+    shutil.copytree(TARGETS, bad_targets, ignore=shutil.ignore_patterns("*.bzl", "BUILD*"))
+    spec = read_json(bad_targets / "x86_64-v3.json")
+    spec["flags"] = [f.replace("x86-64-v3", "no-such-cpu") for f in spec["flags"]]
+    (bad_targets / "x86_64-v3.json").write_text(json.dumps(spec))
     out = tmp_path / "out"
     with pytest.raises(DsaError, match="iree-compile failed"):
-        build(manifest, out, cache, tuning={"x86_64-v3": tuning})
+        build(manifest, out, cache, targets_dir=bad_targets)
     assert not out.exists()
     assert ran.take() == ["checkpoint", "export", "params", "export prompt_len_0", "export prompt_len_1",
                           "compile prompt_len_0 x86_64-v3"]
     labels = sorted(read_json(p)["label"] for p in cache_dir.glob("v1/entries/*/*/entry.json"))
     assert labels == sorted(["checkpoint", "export", "params", "export prompt_len_0", "export prompt_len_1"])
 
-    tuning.write_text('{"format": 1, "family": "tiny", "target": "x86_64-v3", "flags": []}')
-    build(manifest, out, cache, tuning={"x86_64-v3": tuning})
+    build(manifest, out, cache)
     assert ran.take() == COMPILES_V3
     assert artifacts(out)["params.irpa"] == artifacts(first)["params.irpa"]
     assert list(cache_dir.glob("v1/tmp/*")) == []  # no half-written entry left behind
