@@ -6,6 +6,7 @@ it as one message on stderr and exit 2, without a Python traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable, Optional
 
@@ -23,15 +24,45 @@ class DsaError(Exception):
         return f"{text} ({self.hint})" if self.hint else text
 
 
+def describe_unexpected(e: BaseException) -> str:
+    """One line for an error no check named: what kind it is, and what to do."""
+    if isinstance(e, MemoryError):
+        return "out of memory: an input states a size larger than this machine can hold (check the sizes " \
+               "the manifest, bundle or files give)"
+    if isinstance(e, RecursionError):
+        return "an input is nested too deeply to read (a JSON or YAML file of thousands of levels?)"
+    if isinstance(e, UnicodeError):
+        return f"a file or argument is not valid UTF-8 text ({str(e)[:200]})"
+    if isinstance(e, OSError):
+        name = f" {e.filename}" if getattr(e, "filename", None) else ""
+        return f"cannot read or write{name}: {e.strerror or e}"
+    text = str(e).splitlines()[0][:300] if str(e) else ""
+    return (f"unexpected {type(e).__name__}: {text} (a bug, or an input no check names: rerun with "
+            "DSA_TRACEBACK=1 for the traceback and report it)")
+
+
 def run_cli(main: Callable[[], None], tool: str) -> None:
-    """Runs `main`, turning a DsaError (or a ManifestError) into `error: ...` on stderr and exit code 2."""
+    """Runs `main`: a DsaError (or a ManifestError) becomes `error: ...` on stderr and exit code 2; so does any
+    other exception, as one line naming its kind (MemoryError, RecursionError, an undecodable file, an OS
+    error, anything a check missed), never a traceback; Ctrl-C exits 130. `DSA_TRACEBACK=1` re-raises the
+    unexpected ones, for a developer."""
     try:
         main()
     except DsaError as e:
         print(f"{tool}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"{tool}: interrupted", file=sys.stderr)
+        sys.exit(130)
     except Exception as e:  # ManifestError lives in dsa.manifest.contract; avoid importing it here.
         if type(e).__name__ == "ManifestError":
             print(f"{tool}: error: {e}", file=sys.stderr)
             sys.exit(2)
-        raise
+        if os.environ.get("DSA_TRACEBACK") == "1":
+            raise
+        try:
+            line = describe_unexpected(e)
+        except Exception:  # noqa: BLE001 - the message itself must not fail
+            line = f"unexpected {type(e).__name__}"
+        print(f"{tool}: error: {line}", file=sys.stderr)
+        sys.exit(2)

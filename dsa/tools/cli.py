@@ -29,6 +29,8 @@ import runpy
 import sys
 from typing import Dict, List, Optional
 
+from dsa.core.errors import DsaError, run_cli
+
 # command → the module whose `__main__` it runs.
 COMMANDS: Dict[str, str] = {
     "run": "dsa.runtime.run",
@@ -76,7 +78,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     if os.environ.get("BUILD_WORKING_DIRECTORY"):
         os.chdir(os.environ["BUILD_WORKING_DIRECTORY"])  # `bazel run //:dsa`: paths as the caller wrote them
     sys.argv = [f"dsa {command}"] + rest
-    runpy.run_module(COMMANDS[command], run_name="__main__", alter_sys=True)
+
+    def run() -> None:
+        try:
+            runpy.run_module(COMMANDS[command], run_name="__main__", alter_sys=True)
+        except ModuleNotFoundError as e:
+            if e.name is None or e.name.split(".")[0] == "dsa":
+                raise
+            raise DsaError(f"dsa {command}", f"needs the Python package '{e.name}', which {sys.executable} "
+                           "lacks", "run it in the environment installed from requirements_lock.txt "
+                           "(requirements_lerobot_lock.txt for LeRobot manifests): DSA_PYTHON=ENV/bin/python3 "
+                           "bin/dsa ..., or `./bazelw run //:dsa -- ...`") from None
+
+    # Whatever the subcommand raises before (or outside) its own handler is one line and exit 2 as well.
+    run_cli(run, "dsa")
 
 
 if __name__ == "__main__":

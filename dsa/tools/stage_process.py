@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, List
 
 from dsa.core.determinism import pin_math_libraries
-from dsa.core.errors import DsaError
+from dsa.core.errors import DsaError, describe_unexpected
 from dsa.tools.measure import run_measured
 
 
@@ -83,7 +83,9 @@ class StageRunner:
                 if code == -signal.SIGKILL else "its stderr ends with the cause"
             raise DsaError(f"dsa compile: {stage}", f"the stage's process {why} before it finished",
                            f"{hint}\n{tail}" if tail else hint)
-        raise DsaError(f"dsa compile: {stage}", value, f"the stage's traceback:\n{tail}" if tail else None)
+        if os.environ.get("DSA_TRACEBACK") == "1" and tail:
+            raise DsaError(f"dsa compile: {stage}", value, f"the stage's traceback:\n{tail}")
+        raise DsaError(f"dsa compile: {stage}", value)
 
 
 def _child_main(call: Path, result: Path) -> int:
@@ -97,10 +99,13 @@ def _child_main(call: Path, result: Path) -> int:
         outcome = ("ok", fn(*args, **kwargs))
     except DsaError as e:
         outcome = ("dsa_error", (e.where, e.message, e.hint))
-    except Exception as e:  # ManifestError and anything unexpected: its text here, its traceback on stderr
-        if type(e).__name__ != "ManifestError":
-            traceback.print_exc()
-        outcome = ("error", str(e) if type(e).__name__ == "ManifestError" else f"{type(e).__name__}: {e}")
+    except Exception as e:  # ManifestError and anything unexpected: one line (DSA_TRACEBACK=1: its traceback)
+        if type(e).__name__ == "ManifestError":
+            outcome = ("error", str(e))
+        else:
+            if os.environ.get("DSA_TRACEBACK") == "1":
+                traceback.print_exc()
+            outcome = ("error", describe_unexpected(e))
     tmp = result.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         pickle.dump(outcome, f)

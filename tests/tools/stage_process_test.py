@@ -73,10 +73,30 @@ def test_a_dsa_error_in_the_stage_comes_back_unchanged():
         ("model.yaml: inputs.state", "dim must be positive", "set it to the state's width")
 
 
-def test_an_unexpected_exception_names_the_stage_and_shows_the_childs_traceback():
-    with pytest.raises(DsaError, match=r"dsa compile: export: KeyError: 'missing'") as e:
+def test_an_unexpected_exception_names_the_stage_in_one_line_without_a_traceback(monkeypatch):
+    monkeypatch.delenv("DSA_TRACEBACK", raising=False)
+    with pytest.raises(DsaError, match=r"dsa compile: export: unexpected KeyError: 'missing'") as e:
+        StageRunner()("export", crash)
+    assert "Traceback" not in str(e.value) and "\n" not in str(e.value)
+    assert "DSA_TRACEBACK=1" in str(e.value)
+
+
+def test_dsa_traceback_shows_the_childs_traceback_for_a_developer(monkeypatch):
+    monkeypatch.setenv("DSA_TRACEBACK", "1")
+    with pytest.raises(DsaError, match=r"dsa compile: export: unexpected KeyError") as e:
         StageRunner()("export", crash)
     assert "Traceback" in e.value.hint and 'return {}["missing"]' in e.value.hint
+
+
+def exhaust():
+    raise MemoryError()
+
+
+def test_a_stage_out_of_memory_says_so_in_one_line(monkeypatch):
+    monkeypatch.delenv("DSA_TRACEBACK", raising=False)
+    with pytest.raises(DsaError, match=r"dsa compile: params: out of memory: an input states a size") as e:
+        StageRunner()("params", exhaust)
+    assert "\n" not in str(e.value)
 
 
 def test_a_stage_killed_by_a_signal_says_so_and_suggests_memory():
