@@ -351,6 +351,7 @@ class StageInput:
 LINK_JSON = "link.json"
 PIPELINE_JSON = "pipeline.json"
 POLICY_PIPELINE_JSON = "policy_pipeline.json"  # dsa.runtime.policy_pipeline.POLICY_PIPELINE_JSON
+POLICY_PIPELINE_CONFIG_JSON = "policy_config.json"  # dsa.runtime.policy_pipeline.POLICY_CONFIG_JSON
 
 
 def _prefixed_index(index: dict, prefix: str, shared: Sequence[str] = ()) -> dict:
@@ -1303,6 +1304,55 @@ def _check_against_lock(archive: Path, dest: Path, table: dict, found: Dict[str,
             raise DsaError(f"{archive}: {name}", f"{held}, the recipe lock pins {sha}",
                            "the bundle's files are not the ones its lock was built with: it was altered; copy "
                            "the release again")
+    _check_views_against_lock(archive, dest, table, found, lock, prefix)
+
+
+def _check_views_against_lock(archive: Path, dest: Path, table: dict, found: Dict[str, Tuple[str, int]],
+                              lock: dict, prefix: str) -> None:
+    """What the lock pins through the manifest: the runtime view (its digest is in the lock's `views`), and,
+    from the view, a pipeline bundle's processor files and policy config (the manifest's `processors` and
+    `model.policy_config` pins) and policy_pipeline.json's loop (n_action_steps, flow steps). bundle.json
+    alone could be rewritten to cover a swapped n_action_steps or swapped statistics; the lock cannot be,
+    short of forging the manifest's digest."""
+    views = lock.get("views") if isinstance(lock.get("views"), dict) else {}
+    name = next((n for n in (prefix + RUNTIME_VIEW_JSON, RUNTIME_VIEW_JSON) if n in found), None)
+    if name is None or not isinstance(views.get("runtime"), str):
+        return
+    if found[name][0] != views["runtime"]:
+        raise DsaError(f"{archive}: {name}", f"has sha256 {found[name][0]}, the recipe lock pins "
+                       f"{views['runtime']}", "the bundle's files are not the ones its lock was built with: it "
+                       "was altered; copy the release again")
+    try:
+        view = read_json(dest / name)
+    except (ValueError, UnicodeError, RecursionError):
+        raise DsaError(f"{archive}: {name}", "is not JSON", "copy the release again") from None
+    procs = view.get("processors") if isinstance(view, dict) else None
+    if not isinstance(procs, dict) or POLICY_PIPELINE_JSON not in found:
+        return
+    pins = [procs.get("preprocessor"), procs.get("postprocessor"), procs.get("tokenizer"),
+            *(procs.get("files") if isinstance(procs.get("files"), list) else [])]
+    pins = [(Path(str(p.get("path"))).name, p.get("sha256")) for p in pins if isinstance(p, dict)]
+    config = view.get("policy_config")
+    if isinstance(config, dict):
+        pins.append((POLICY_PIPELINE_CONFIG_JSON, config.get("sha256")))
+    for member, sha in pins:
+        got = found.get(member, (None, 0))[0]
+        if got is not None and got != sha:
+            raise DsaError(f"{archive}: {member}", f"has sha256 {got}, the manifest the recipe lock pins says "
+                           f"{sha}", "the bundle's processor files are not the ones it was built with: it was "
+                           "altered; copy the release again")
+    try:
+        spec = read_json(dest / POLICY_PIPELINE_JSON)
+    except (ValueError, UnicodeError, RecursionError):
+        raise DsaError(f"{archive}: {POLICY_PIPELINE_JSON}", "is not JSON", "copy the release again") from None
+    loop = spec.get("loop") if isinstance(spec, dict) and isinstance(spec.get("loop"), dict) else {}
+    steps = loop.get("steps") if isinstance(loop.get("steps"), dict) else None
+    for field, ours, pinned in (("loop.n_action_steps", loop.get("n_action_steps"), view.get("n_action_steps")),
+                                ("loop.steps.value", steps.get("value") if steps else None, view.get("flow_steps")
+                                 if steps else None)):
+        if ours != pinned:
+            raise DsaError(f"{archive}: {POLICY_PIPELINE_JSON}", f"{field} is {str(ours)[:40]}, the manifest the "
+                           f"recipe lock pins says {pinned}", "the bundle was altered; copy the release again")
 
 
 @contextlib.contextmanager

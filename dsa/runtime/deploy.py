@@ -49,29 +49,27 @@ class DeployedPolicy:
             self.bundle = opened
             self.target = opened.selected or opened.targets[0]
             self.compiled = CompiledPolicy(stage.index_path, allow_nonfinite=allow_nonfinite)
-        except BaseException:
+            view = self.compiled.runtime_view
+            self.model_id = self.compiled.model_id
+            self.n_action_steps = int(view["n_action_steps"])
+            self.flow_steps = int(view["flow_steps"])
+            record = self.compiled.modules[0].record
+            self._step_input = next((s["name"] for s in record["inputs"] if "value_range" in s), None)
+            self._queue: Deque[np.ndarray] = collections.deque()
+            self.pipeline = None  # the policy pipeline (raw observations), when the bundle has one
+            spec_file = opened.meta.get("policy_pipeline")
+            if spec_file is not None:
+                from dsa.runtime.policy_pipeline import PolicyPipeline, read_spec
+
+                spec = read_spec(opened.root, spec_file)
+                self.pipeline = PolicyPipeline(opened.root, spec, self.predict_action_chunk, seed=seed,
+                                               temporal_ensemble_coeff=temporal_ensemble_coeff)
+            elif temporal_ensemble_coeff is not None:
+                raise DsaError("temporal_ensemble_coeff", "needs a bundle with the policy's pipeline",
+                               "build the bundle with processors (docs/policy-pipeline.md)")
+        except BaseException:  # the extracted files go with any failure, whatever refused the bundle
             self._stack.close()
             raise
-        view = self.compiled.runtime_view
-        self.model_id = self.compiled.model_id
-        self.n_action_steps = int(view["n_action_steps"])
-        self.flow_steps = int(view["flow_steps"])
-        record = self.compiled.modules[0].record
-        self._step_input = next((s["name"] for s in record["inputs"] if "value_range" in s), None)
-        self._queue: Deque[np.ndarray] = collections.deque()
-        self.pipeline = None  # the policy pipeline (raw observations), when the bundle has one
-        spec_file = opened.meta.get("policy_pipeline")
-        if spec_file is not None:
-            import json
-
-            from dsa.runtime.policy_pipeline import PolicyPipeline
-
-            spec = json.loads((opened.root / spec_file).read_text(encoding="utf-8"))
-            self.pipeline = PolicyPipeline(opened.root, spec, self.predict_action_chunk, seed=seed,
-                                           temporal_ensemble_coeff=temporal_ensemble_coeff)
-        elif temporal_ensemble_coeff is not None:
-            raise DsaError("temporal_ensemble_coeff", "needs a bundle with the policy's pipeline",
-                           "build the bundle with processors (docs/policy-pipeline.md)")
 
     # -- LeRobot's policy interface --------------------------------------------------------------------
     def reset(self) -> None:
@@ -127,9 +125,31 @@ class DeployedPolicy:
 
 
 def load(bundle: Union[str, Path], target: Optional[str] = None, *, allow_nonfinite: bool = False, seed: int = 0,
-         temporal_ensemble_coeff: Optional[float] = None) -> DeployedPolicy:
+         temporal_ensemble_coeff: Optional[float] = None, require_signature: Optional[Union[str, Path]] = None,
+         expect_model: Optional[str] = None, min_release: Optional[int] = None) -> DeployedPolicy:
     """Verifies a release bundle and loads its policy (a multi-target bundle: `target`, else the first of its
     targets this machine runs). `seed`: the noise of a flow / diffusion policy pipeline; `temporal_ensemble_coeff`:
-    ACT's temporal ensembling (a pipeline bundle with n_action_steps 1)."""
-    return DeployedPolicy(bundle, target, allow_nonfinite=allow_nonfinite, seed=seed,
-                          temporal_ensemble_coeff=temporal_ensemble_coeff)
+    ACT's temporal ensembling (a pipeline bundle with n_action_steps 1). `require_signature` (a public key,
+    KEY.pub.pem): refuse the bundle unless its signature (NAME.dsse.json beside it) is valid, before anything is
+    extracted; with it, `expect_model` refuses a bundle signed as another model and `min_release` one signed with
+    a lower release number (a rollback floor)."""
+    statement = None
+    if require_signature is not None:
+        from dsa.runtime.signing import verify_signature
+
+        statement = verify_signature(Path(bundle), Path(require_signature), expect_model=expect_model,
+                                     min_release=min_release)
+    elif expect_model is not None or min_release is not None:
+        raise DsaError("expect_model / min_release", "need require_signature: only a signature binds a model id and "
+                       "a release number", "pass require_signature=KEY.pub.pem")
+    policy = DeployedPolicy(bundle, target, allow_nonfinite=allow_nonfinite, seed=seed,
+                            temporal_ensemble_coeff=temporal_ensemble_coeff)
+    if statement is not None:
+        from dsa.runtime.signing import check_identity
+
+        try:
+            check_identity(statement, policy.bundle, Path(bundle))
+        except BaseException:
+            policy.close()
+            raise
+    return policy

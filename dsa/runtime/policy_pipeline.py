@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -139,6 +140,9 @@ def describe(manifest: Mapping[str, Any], manifest_path: str, members: Mapping[s
 
     # The network: the first module's record (every bucket takes the same inputs).
     first = records[sorted(records)[0]]
+    for field, high in (("n_action_steps", MAX_CHUNK), ("n_obs_steps", MAX_OBS_STEPS), ("chunk_size", MAX_CHUNK)):
+        if field in config and not _count(config[field], 1, high):
+            raise DsaError(f"{where}: {field}", f"is {str(config[field])[:40]}, not a count from 1 to {high}")
     n_action_steps = int(config.get("n_action_steps", 1))
     if n_action_steps != int(manifest["n_action_steps"]):
         raise DsaError(f"{manifest_path}: n_action_steps", f"is {manifest['n_action_steps']}, the policy's "
@@ -279,6 +283,88 @@ def describe(manifest: Mapping[str, Any], manifest_path: str, members: Mapping[s
 
 # -- run time ------------------------------------------------------------------------------------------------
 
+# Bounds of policy_pipeline.json's loop (every size it states is checked before anything is allocated): the
+# manifest schema's chunk bound, Diffusion Policy's observation history (2 in LeRobot's configs), a noise
+# tensor of at most 2^24 elements (64 MiB of float32; a π0 chunk of 50 x 32 is 1600).
+MAX_CHUNK = 4096
+MAX_OBS_STEPS = 64
+MAX_NOISE_ELEMENTS = 1 << 24
+MAX_FLOW_STEPS = 10000
+MAX_SPEC_BYTES = 4 << 20
+
+
+def _count(value: Any, low: int, high: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and low <= value <= high
+
+
+def check_spec(spec: Any, where: str) -> dict:
+    """policy_pipeline.json as the runtime takes it: the files it names are the bundle's own members under their
+    fixed names, and every size of its loop is bounded (refused naming the field and the limit)."""
+    if not isinstance(spec, dict) or spec.get("format") != POLICY_PIPELINE_FORMAT:
+        raise DsaError(where, f"is not a policy pipeline of format {POLICY_PIPELINE_FORMAT}",
+                       "rebuild the bundle with this release")
+    for field, name in (("preprocessor", PREPROCESSOR_JSON), ("postprocessor", POSTPROCESSOR_JSON),
+                        ("policy_config", POLICY_CONFIG_JSON)):
+        if spec.get(field) != name:
+            raise DsaError(f"{where}: {field}", f"names {str(spec.get(field))[:100]!r}, not the bundle's {name}",
+                           "a policy pipeline names only the bundle's own members")
+    if spec.get("tokenizer") not in (None, TOKENIZER_JSON):
+        raise DsaError(f"{where}: tokenizer", f"names {str(spec.get('tokenizer'))[:100]!r}, not the bundle's "
+                       f"{TOKENIZER_JSON}", "a policy pipeline names only the bundle's own members")
+    if spec.get("policy_type") not in POLICY_TYPES:
+        raise DsaError(f"{where}: policy_type", f"is {str(spec.get('policy_type'))[:40]!r}",
+                       f"one of {', '.join(POLICY_TYPES)}")
+    loop = spec.get("loop")
+    if not isinstance(loop, dict):
+        raise DsaError(f"{where}: loop", "is missing or not an object")
+    for field, high in (("chunk_size", MAX_CHUNK), ("n_action_steps", MAX_CHUNK), ("n_obs_steps", MAX_OBS_STEPS)):
+        if not _count(loop.get(field), 1, high):
+            raise DsaError(f"{where}: loop.{field}", f"is {str(loop.get(field))[:40]}, not a count from 1 to {high}")
+    if loop["n_action_steps"] > loop["chunk_size"]:
+        raise DsaError(f"{where}: loop.n_action_steps", f"{loop['n_action_steps']} is more than the chunk's "
+                       f"{loop['chunk_size']} actions", "rebuild with n_action_steps <= chunk_size")
+    coeff = loop.get("temporal_ensemble_coeff")
+    if coeff is not None and (isinstance(coeff, bool) or not isinstance(coeff, (int, float))
+                              or not math.isfinite(coeff) or abs(coeff) > 1):
+        raise DsaError(f"{where}: loop.temporal_ensemble_coeff", f"is {str(coeff)[:40]}, not a number from -1 to 1",
+                       "LeRobot's ACT uses 0.01")
+    pad = loop.get("prompt_pad_id")
+    if pad is not None and not _count(pad, 0, (1 << 31) - 1):
+        raise DsaError(f"{where}: loop.prompt_pad_id", f"is {str(pad)[:40]}, not a token id")
+    noise = loop.get("noise")
+    if noise is not None:
+        shape = noise.get("shape") if isinstance(noise, dict) else None
+        if (not isinstance(shape, list) or not 0 < len(shape) <= 8 or not all(_count(d, 1, MAX_NOISE_ELEMENTS)
+                                                                             for d in shape)
+                or math.prod(shape) > MAX_NOISE_ELEMENTS or not isinstance(noise.get("input"), str)):
+            raise DsaError(f"{where}: loop.noise", f"shape {str(shape)[:80]} is not a shape of at most "
+                           f"{MAX_NOISE_ELEMENTS} elements with a named input")
+    steps = loop.get("steps")
+    if steps is not None and (not isinstance(steps, dict) or not isinstance(steps.get("input"), str)
+                              or not _count(steps.get("value"), 1, MAX_FLOW_STEPS)):
+        raise DsaError(f"{where}: loop.steps", f"is {str(steps)[:80]}, not {{input, value 1..{MAX_FLOW_STEPS}}}")
+    nodes = spec.get("nodes")
+    network = [n for n in nodes if isinstance(n, dict) and n.get("name") == "network"] \
+        if isinstance(nodes, list) else []
+    if len(network) != 1 or not isinstance(network[0].get("inputs"), list):
+        raise DsaError(f"{where}: nodes", "has no single network node with its inputs")
+    if not isinstance(spec.get("observation"), dict):
+        raise DsaError(f"{where}: observation", "is missing or not an object")
+    return spec
+
+
+def read_spec(root: Path, name: str) -> dict:
+    """A bundle's policy_pipeline.json (`name`, from bundle.json), confined to the bundle and bounded, checked."""
+    from dsa.runtime.processors import pipeline_member, read_bounded_json
+
+    where = f"{root}: bundle.json policy_pipeline"
+    if name != POLICY_PIPELINE_JSON:
+        raise DsaError(where, f"names {str(name)[:100]!r}, not {POLICY_PIPELINE_JSON}",
+                       "a bundle's policy pipeline is its policy_pipeline.json member")
+    path = pipeline_member(root, name, where, "policy pipeline", MAX_SPEC_BYTES)
+    return check_spec(read_bounded_json(path, str(path), MAX_SPEC_BYTES), str(path))
+
+
 def _as_input(spec: Mapping[str, Any], value: Any, pad_id: int) -> np.ndarray:
     """A preprocessor output as the network input `spec` takes it: LeRobot's bool attention mask as the module's
     0/1 int64, float64 as float32; a prompt the tokenizer padded to its longest text (SmolVLA's
@@ -313,11 +399,11 @@ class PolicyPipeline:
                  seed: int = 0, temporal_ensemble_coeff: Optional[float] = None):
         from dsa.runtime.processors import ProcessorPipeline, TemporalEnsembler
 
-        self.spec = spec
         self.root = Path(root)
-        tokenizer = self.root / spec["tokenizer"] if spec.get("tokenizer") else None
-        self.preprocessor = ProcessorPipeline.load(self.root / spec["preprocessor"], tokenizer_file=tokenizer)
-        self.postprocessor = ProcessorPipeline.load(self.root / spec["postprocessor"])
+        self.spec = spec = check_spec(spec, str(self.root / POLICY_PIPELINE_JSON))
+        tokenizer = self.root / TOKENIZER_JSON if spec.get("tokenizer") else None
+        self.preprocessor = ProcessorPipeline.load(self.root / PREPROCESSOR_JSON, tokenizer_file=tokenizer)
+        self.postprocessor = ProcessorPipeline.load(self.root / POSTPROCESSOR_JSON)
         self._run_network = run_network
         loop = spec["loop"]
         self.n_action_steps = int(loop["n_action_steps"])
@@ -364,10 +450,17 @@ class PolicyPipeline:
                 raise DsaError(f"observation: {key}", f"is {value.dtype} {list(value.shape)}, the policy reads "
                                f"{spec['dtype']} {spec['shape']}" + (" (H, W, C)" if spec.get("layout") else ""),
                                "pass the camera frame / state as the robot gives it")
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                raise DsaError(f"observation: {key}", "holds NaN or an infinity", "a sensor reading must be finite: "
+                               "check the robot's driver (the policy would turn it into NaN motor commands)")
             raw[key] = value
         if "task" in self.spec["observation"] and not isinstance(task, str):
             raise DsaError("task", "is missing: this policy's preprocessor tokenises the task text",
                            "pass task='...'")
+        if isinstance(task, str):
+            from dsa.runtime.processors import check_task_text
+
+            check_task_text(task, "task")
         return raw
 
     def select_action(self, observation: Mapping[str, Any], task: Optional[str] = None) -> np.ndarray:

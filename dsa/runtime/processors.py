@@ -54,6 +54,120 @@ SUBTASK_TOKENS = "observation.subtask.tokens"
 SUBTASK_MASK = "observation.subtask.attention_mask"
 _COMPLEMENTARY = ("task", "subtask", "index", "task_index", "episode_index")
 
+# -- limits: every size a processor file can state is bounded before it is used ----------------------------------
+# A LeRobot processor JSON is a few kilobytes with under ten steps; its statistics a few kilobytes (per-channel
+# image stats, state and action vectors <= 4096); Gemma's tokenizer.json, the largest a LeRobot policy pins, is
+# 34 MB. Each bound is far above what a policy needs and far below what exhausts a robot's memory.
+MAX_PIPELINE_JSON_BYTES = 1 << 20  # policy_preprocessor.json / policy_postprocessor.json / tokenizer_config.json
+MAX_PIPELINE_STEPS = 64
+MAX_STATE_FILE_BYTES = 16 << 20  # a step's statistics .safetensors
+MAX_TOKENIZER_BYTES = 64 << 20  # tokenizer.json
+MAX_TOKENIZER_LENGTH = 8192  # tokenizer_processor max_length
+MAX_TASK_CHARS = 16384  # a task (or subtask) text
+MAX_RENAMES = 1024
+# Statistics: finite, |value| <= MAX_STAT_MAGNITUDE (pixels are <= 255, joint angles, positions in mm and encoder
+# ticks are well within), std >= 0, max >= min, q99 >= q01, q90 >= q10. A zero std or range is accepted, as
+# LeRobot accepts it (its eps rule: MEAN_STD divides by std + eps, MIN_MAX / quantiles replace a zero range by
+# eps): a feature that never moved in the dataset.
+MAX_STAT_MAGNITUDE = 1e6
+_STAT_ORDER = (("std", None), ("min", "max"), ("q01", "q99"), ("q10", "q90"))
+
+
+def pipeline_member(directory: Path, name: Any, where: str, field: str, max_bytes: int) -> Path:
+    """The file a pipeline names (`field`, in `where`): a plain file name (no directory part, not absolute, no
+    `..`) of a regular file in `directory`, at most `max_bytes`; refused before anything is read. Every file a
+    processor JSON or policy_pipeline.json names is resolved here, so a bundle can name nothing outside itself."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+            or "\x00" in name or len(name) > 255):
+        raise DsaError(where, f"{field} {str(name)[:100]!r} is not a plain file name",
+                       "a pipeline names only files beside it (a bundle's members, a policy directory's files): "
+                       "no directory, absolute path or '..'")
+    path = Path(directory) / name
+    try:
+        info = path.stat()
+    except OSError:
+        raise DsaError(where, f"{field} {name} is missing from {directory}",
+                       "copy the pipeline's files (statistics .safetensors, tokenizer) with its JSON") from None
+    import stat as _stat
+
+    if not _stat.S_ISREG(info.st_mode):
+        raise DsaError(where, f"{field} {name} is not a regular file", "name the file itself")
+    if info.st_size > max_bytes:
+        raise DsaError(where, f"{field} {name} is {info.st_size} bytes, over the {max_bytes}-byte limit",
+                       "this is not the policy's own file")
+    return path
+
+
+def read_bounded_json(path: Path, where: str, max_bytes: int) -> Any:
+    """A JSON file of at most `max_bytes` (checked before reading), parsed with nesting bounded by Python's own
+    recursion limit (a RecursionError is a refusal naming the file)."""
+    try:
+        size = Path(path).stat().st_size
+    except OSError as e:
+        raise DsaError(str(path), f"cannot read it: {e.strerror or e}") from None
+    if size > max_bytes:
+        raise DsaError(where, f"{path} is {size} bytes, over the {max_bytes}-byte limit", "this is not the file "
+                       "LeRobot wrote")
+    try:
+        return json.loads(Path(path).read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise DsaError(str(path), f"cannot read it: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise DsaError(str(path), f"is not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise DsaError(str(path), f"is not JSON ({e})") from None
+    except RecursionError:
+        raise DsaError(str(path), "is nested too deeply to be a pipeline file") from None
+
+
+def check_statistics(stats: Dict[str, Dict[str, np.ndarray]], where: str,
+                     shapes: Optional[Dict[str, List[int]]] = None) -> None:
+    """The statistics contract (see MAX_STAT_MAGNITUDE): every value finite and within the bound, the pairs
+    ordered, the arrays of one feature of one shape, broadcastable to the feature's shape when `shapes` gives it.
+    Refused naming the file (`where`), the feature, the statistic and the value."""
+    for key, by_stat in stats.items():
+        shape = None
+        for stat, array in by_stat.items():
+            field = f"{key}.{stat}" if stat else key
+            bad = ~np.isfinite(array)
+            if bad.any():
+                index = int(np.flatnonzero(bad)[0])
+                raise DsaError(where, f"statistic {field} holds {array.reshape(-1)[index]} at index {index}: "
+                               "statistics must be finite", "recompute the dataset statistics")
+            big = np.abs(array) > MAX_STAT_MAGNITUDE
+            if big.any():
+                index = int(np.flatnonzero(big)[0])
+                raise DsaError(where, f"statistic {field} holds {array.reshape(-1)[index]:g} at index {index}, "
+                               f"beyond the bound of {MAX_STAT_MAGNITUDE:g}",
+                               "recompute the dataset statistics (in the units the robot reports)")
+            if stat in ("mean", "std", "min", "max", "q01", "q99", "q10", "q90"):
+                if shape is not None and array.shape != shape:
+                    raise DsaError(where, f"statistic {field} has shape {list(array.shape)}, the feature's other "
+                                   f"statistics {list(shape)}", "recompute the dataset statistics")
+                shape = array.shape
+        if shape is not None and shapes and key in shapes:
+            feature = tuple(int(d) for d in shapes[key])
+            try:
+                broadcast = np.broadcast_shapes(shape, feature)
+            except ValueError:
+                broadcast = None
+            if broadcast != feature:
+                raise DsaError(where, f"statistics of {key} have shape {list(shape)}, which does not fit the "
+                               f"feature's shape {list(feature)}", "these are another policy's statistics")
+        for low, high in _STAT_ORDER:
+            if high is None:
+                if low in by_stat and (by_stat[low] < 0).any():
+                    index = int(np.flatnonzero(by_stat[low] < 0)[0])
+                    raise DsaError(where, f"statistic {key}.{low} is negative ({by_stat[low].reshape(-1)[index]} "
+                                   f"at index {index})", "a standard deviation is >= 0: recompute the statistics")
+            elif low in by_stat and high in by_stat:
+                wrong = by_stat[high] < by_stat[low]
+                if wrong.any():
+                    index = int(np.flatnonzero(wrong)[0])
+                    raise DsaError(where, f"statistic {key}.{high} is below {key}.{low} at index {index} "
+                                   f"({by_stat[high].reshape(-1)[index]} < {by_stat[low].reshape(-1)[index]})",
+                                   "recompute the dataset statistics")
+
 # -- safetensors ----------------------------------------------------------------------------------------------
 
 _ST_DTYPES = {
@@ -169,7 +283,11 @@ class _Step:
 class _Rename(_Step):
     def __init__(self, where, config):
         super().__init__(where, config)
-        self.rename_map = dict(config.get("rename_map") or {})
+        rename_map = config.get("rename_map") or {}
+        if not isinstance(rename_map, dict) or len(rename_map) > MAX_RENAMES or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in rename_map.items()):
+            raise DsaError(where, f"rename_map is not an object of at most {MAX_RENAMES} name: name entries")
+        self.rename_map = dict(rename_map)
         self.reads, self.writes = list(self.rename_map), list(self.rename_map.values())
         if not self.rename_map:
             self.implementation = "none"
@@ -256,9 +374,19 @@ class _Normalize(_Step):
     def __init__(self, where, config, stats: Dict[str, Dict[str, np.ndarray]], inverse: bool):
         super().__init__(where, config)
         self.inverse = inverse
-        self.eps = float(config.get("eps", 1e-8))
-        self.features = {k: str(v["type"]) for k, v in (config.get("features") or {}).items()}
-        self.norm_map = {str(k): str(v) for k, v in (config.get("norm_map") or {}).items()}
+        eps = config.get("eps", 1e-8)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps <= 1e-2:
+            raise DsaError(where, f"eps {str(eps)[:40]} is not a number from 0 to 0.01", "LeRobot's default is 1e-8")
+        self.eps = float(eps)
+        features, norm_map = config.get("features"), config.get("norm_map")
+        features = {} if features is None else features
+        norm_map = {} if norm_map is None else norm_map
+        if not isinstance(features, dict) or not all(isinstance(v, dict) and "type" in v for v in features.values()):
+            raise DsaError(where, "features is not an object of {name: {type, shape}}")
+        if not isinstance(norm_map, dict):
+            raise DsaError(where, "norm_map is not an object of {feature type: mode}")
+        self.features = {k: str(v["type"]) for k, v in features.items()}
+        self.norm_map = {str(k): str(v) for k, v in norm_map.items()}
         for mode in self.norm_map.values():
             if mode not in _NORM_MODES:
                 raise DsaError(where, f"norm_map has unknown normalization mode {mode!r}",
@@ -343,7 +471,10 @@ class _Pi05StatePrompt(_Step):
 
     def __init__(self, where, config):
         super().__init__(where, config)
-        self.max_state_dim = int(config.get("max_state_dim", 32))
+        max_state_dim = config.get("max_state_dim", 32)
+        if isinstance(max_state_dim, bool) or not isinstance(max_state_dim, int) or not 0 < max_state_dim <= 4096:
+            raise DsaError(where, f"max_state_dim {str(max_state_dim)[:40]} is not a width from 1 to 4096")
+        self.max_state_dim = max_state_dim
         self.task_key = config.get("task_key", "task")
         self.reads, self.writes = [OBS_STATE, self.task_key], [self.task_key]
 
@@ -356,7 +487,14 @@ class _Pi05StatePrompt(_Step):
             raise DsaError(self.where, f"PI0.5's state prompt needs a {self.task_key!r}; none was given")
         if isinstance(tasks, str):
             tasks = [tasks]
+        if not isinstance(tasks, list) or not all(isinstance(task, str) for task in tasks):
+            raise DsaError(self.where, f"{self.task_key!r} is not a string or a list of strings")
+        check_task_text(tasks, self.where)
         state = np.asarray(state)
+        batch = state.shape[0] if state.ndim > 1 else 1
+        if len(tasks) != batch:
+            raise DsaError(self.where, f"{len(tasks)} task texts for a batch of {batch} states",
+                           "give one task text per observation")
         if state.shape[-1] < self.max_state_dim:
             pad = [(0, 0)] * (state.ndim - 1) + [(0, self.max_state_dim - state.shape[-1])]
             state = np.pad(state, pad)
@@ -395,12 +533,15 @@ class _Tokenize(_Step):
             raise DsaError(where, "tokenizer_processor needs the policy's tokenizer, and no tokenizer_file was given",
                            "the tokenizer.json must be pinned: pass tokenizer_file=<path to tokenizer.json>")
         tokenizer_file = Path(tokenizer_file)
-        if not tokenizer_file.is_file():
-            raise DsaError(where, f"tokenizer file {tokenizer_file} does not exist",
-                           "the tokenizer.json must be pinned next to the pipeline")
+        tokenizer_file = pipeline_member(tokenizer_file.parent, tokenizer_file.name, where, "tokenizer file",
+                                         MAX_TOKENIZER_BYTES)
         self.files = [tokenizer_file]
         self.task_key = config.get("task_key", "task")
-        self.max_length = int(config.get("max_length", 512))
+        max_length = config.get("max_length", 512)
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or not 0 < max_length <= MAX_TOKENIZER_LENGTH:
+            raise DsaError(where, f"tokenizer_processor max_length {str(max_length)[:40]} is not a token count from 1 "
+                           f"to {MAX_TOKENIZER_LENGTH}", "a policy's prompt is at most a few hundred tokens")
+        self.max_length = max_length
         padding = config.get("padding", "max_length")
         self.padding = {True: "longest", False: "do_not_pad"}.get(padding, padding)
         if self.padding not in ("max_length", "longest", "do_not_pad"):
@@ -484,10 +625,10 @@ class _Tokenize(_Step):
         if not path.is_file():
             return {}
         self.files.append(path)
-        try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise DsaError(str(path), f"is not JSON ({e})") from None
+        data = read_bounded_json(path, self.where, MAX_PIPELINE_JSON_BYTES)
+        if not isinstance(data, dict):
+            raise DsaError(str(path), "is not a JSON object")
+        return data
 
     def _encode(self, texts: List[str], key: str) -> Tuple[np.ndarray, np.ndarray]:
         encodings = self.tokenizer.encode_batch(texts, add_special_tokens=True)
@@ -499,31 +640,42 @@ class _Tokenize(_Step):
         mask = np.array([e.attention_mask for e in encodings], dtype=bool).reshape(len(texts), -1)
         return ids, mask
 
-    @staticmethod
-    def _texts(value) -> Optional[List[str]]:
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, list) and all(isinstance(s, str) for s in value):
-            return value
-        return None
+    def _texts(self, value) -> Optional[List[str]]:
+        texts = [value] if isinstance(value, str) else value
+        if not isinstance(texts, list) or not texts or not all(isinstance(s, str) for s in texts):
+            return None
+        check_task_text(texts, self.where)
+        return texts
 
     def __call__(self, t):
-        if self.tokenizer is None:
-            self._setup()
         obs = _observation_of(t, self.where)
         comp = t["complementary"]
         if comp.get(self.task_key) is None:
             raise DsaError(self.where, f"tokenizer_processor needs a {self.task_key!r} string; none was given")
-        texts = self._texts(comp[self.task_key])
+        texts = self._texts(comp[self.task_key])  # bounded before the tokenizer is loaded or sees them
         if texts is None:
             raise DsaError(self.where, f"{self.task_key!r} is a {type(comp[self.task_key]).__name__}, not a string "
                            "or a list of strings")
+        subtask = self._texts(comp.get("subtask"))
+        if self.tokenizer is None:
+            self._setup()
         obs = dict(obs)
         obs[LANGUAGE_TOKENS], obs[LANGUAGE_MASK] = self._encode(texts, self.task_key)
-        subtask = self._texts(comp.get("subtask"))
         if subtask is not None:
             obs[SUBTASK_TOKENS], obs[SUBTASK_MASK] = self._encode(subtask, "subtask")
         return {**t, "observation": obs}
+
+
+def check_task_text(texts, where: str) -> None:
+    """A task (or subtask) text, or a batch of them: at most MAX_TASK_CHARS characters each and MAX_PIPELINE_STEPS
+    texts, refused before the tokenizer sees it (a 50 MB text aborted the process)."""
+    texts = [texts] if isinstance(texts, str) else texts
+    if len(texts) > MAX_PIPELINE_STEPS:
+        raise DsaError(where, f"{len(texts)} task texts in one call, over the limit of {MAX_PIPELINE_STEPS}")
+    for text in texts:
+        if len(text) > MAX_TASK_CHARS:
+            raise DsaError(where, f"the task text is {len(text)} characters, over the limit of {MAX_TASK_CHARS}",
+                           "a task is an instruction of a sentence or two")
 
 
 def _observation_of(t: Transition, where: str) -> Dict[str, Any]:
@@ -575,14 +727,12 @@ class ProcessorPipeline:
         `lazy_tokenizer`: the `tokenizers` library loads the tokenizer at the first call, not now (a build
         step that only describes the pipeline runs where `tokenizers` is not installed)."""
         json_path = Path(json_path)
-        try:
-            config = json.loads(json_path.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise DsaError(str(json_path), f"cannot read the pipeline: {e.strerror or e}") from None
-        except json.JSONDecodeError as e:
-            raise DsaError(str(json_path), f"is not JSON ({e})") from None
+        config = read_bounded_json(json_path, str(json_path), MAX_PIPELINE_JSON_BYTES)
         if not isinstance(config, dict) or not isinstance(config.get("steps"), list):
             raise DsaError(str(json_path), "is not a LeRobot processor pipeline (no 'steps' list)")
+        if len(config["steps"]) > MAX_PIPELINE_STEPS:
+            raise DsaError(f"{json_path}: steps", f"lists {len(config['steps'])} steps, over the limit of "
+                           f"{MAX_PIPELINE_STEPS}", "a LeRobot policy's pipeline has under ten")
         steps: List[_Step] = []
         files: List[Path] = []
         for i, entry in enumerate(config["steps"]):
@@ -595,15 +745,20 @@ class ProcessorPipeline:
                                "the pipeline must be rebuilt with supported steps")
             where = f"{where} ({name})"
             step_config = entry.get("config") or {}
+            if not isinstance(step_config, dict):
+                raise DsaError(where, f"config is a {type(step_config).__name__}, not an object")
             stats: Dict[str, Dict[str, np.ndarray]] = {}
             state_file = entry.get("state_file")
             if state_file is not None:
-                state_path = json_path.parent / state_file
-                if not state_path.is_file():
-                    raise DsaError(where, f"state file {state_file} is missing from {json_path.parent}",
-                                   "copy the pipeline's .safetensors files with its JSON")
+                state_path = pipeline_member(json_path.parent, state_file, where, "state file",
+                                             MAX_STATE_FILE_BYTES)
                 files.append(state_path)
                 stats = _nest_stats(read_safetensors(state_path))
+                features = step_config.get("features")
+                shapes = {k: v["shape"] for k, v in (features if isinstance(features, dict) else {}).items()
+                          if isinstance(v, dict) and isinstance(v.get("shape"), list)
+                          and all(isinstance(d, int) and 0 < d <= 1 << 20 for d in v["shape"])}
+                check_statistics(stats, f"{state_path} ({where})", shapes)
             if name == "tokenizer_processor":
                 step = _Tokenize(where, step_config, tokenizer_file, lazy=lazy_tokenizer)
             else:

@@ -156,6 +156,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--require-signature", metavar="KEY.pub.pem",
                         help="with --bundle: refuse it unless NAME.dsse.json beside it is a valid signature of "
                              "this archive by this public key (dsa sign)")
+    from dsa.runtime.signing import add_expectations
+
+    add_expectations(parser)
     parser.add_argument("--target", help="with --bundle: run this target's modules (default: the first of the "
                         "bundle's targets this machine can execute)")
     parser.add_argument("--allow-nonfinite", action="store_true",
@@ -172,6 +175,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if a.prompt_len is not None and a.prompt_len < 1:
         raise DsaError("--prompt-len", f"{a.prompt_len} is not a positive length")
 
+    from dsa.runtime.signing import check_expectations
+
+    check_expectations(a, a.require_signature, "--require-signature")
     if a.index:
         if a.require_signature:
             raise DsaError("--require-signature", "applies to --bundle only: a build tree is not signed",
@@ -184,12 +190,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     from dsa.runtime.bundle import open_bundle, user_path  # only --bundle needs it
 
     archive = user_path(a.bundle)
+    statement = None
     if a.require_signature:  # before the archive is extracted or anything in it is loaded
-        from dsa.runtime.signing import signature_path, verify_signature
+        from dsa.runtime.signing import describe_signed, signature_path, verify_signature
 
-        verify_signature(archive, user_path(a.require_signature))
-        print(f"signature {signature_path(archive).name}: verified with {a.require_signature}")
+        statement = verify_signature(archive, user_path(a.require_signature), expect_model=a.expect_model,
+                                     min_release=a.min_release)
+        print(f"signature {signature_path(archive).name}: verified with {a.require_signature}"
+              f"{describe_signed(statement)}")
     with open_bundle(archive) as bundle:
+        if statement is not None:
+            from dsa.runtime.signing import check_identity
+
+            check_identity(statement, bundle, archive)
         print(bundle.describe())
         if bundle.meta.get("policy_pipeline"):
             _run_policy_pipeline(a, archive)

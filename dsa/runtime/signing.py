@@ -106,16 +106,43 @@ def generate_key(prefix: Path) -> tuple:
     return private_path, public_path
 
 
-def sign_bundle(archive: Path, private_key: Path) -> Path:
-    """Verifies `archive` as `dsa run` would, then writes its DSSE envelope (NAME.dsse.json) beside it."""
+# A release number is a non-negative integer below 2^53 (exact in every JSON reader).
+MAX_RELEASE = (1 << 53) - 1
+
+
+def check_release(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_RELEASE:
+        raise DsaError(where, f"{str(value)[:40]} is not a release number (an integer from 0 to {MAX_RELEASE})",
+                       "number releases 1, 2, 3, ... in the order they ship")
+    return value
+
+
+def _bundle_identity(b) -> dict:
+    """What a signature binds besides the archive's digest: the model, its targets, the bundle format and the
+    recipe lock's digest (the build's identity: every input and output digest)."""
+    locks = [entry.get("sha256") for name, entry in sorted(b.meta.get("files", {}).items())
+             if (name == "lock.json" or name.endswith(".lock.json") or name.endswith("_lock.json"))
+             and isinstance(entry, dict)]
+    return {"model_id": b.meta.get("model_id") or " → ".join(s.model_id for s in b.stages),
+            "target": b.meta.get("target"), "bundle_format": b.meta.get("format"),
+            "lock_sha256": ",".join(locks) or None}
+
+
+def sign_bundle(archive: Path, private_key: Path, release: Optional[int] = None) -> Path:
+    """Verifies `archive` as `dsa run` would, then writes its DSSE envelope (NAME.dsse.json) beside it. The signed
+    statement names the archive's sha256 and what it is: model id, targets, format, the recipe lock's digest and,
+    when given, the `release` number (what `--min-release` compares: a rollback floor)."""
     from dsa.runtime.bundle import open_bundle
 
     key = _read_key(private_key, private=True)
     archive = Path(archive)
+    if release is not None:
+        check_release(release, "--release")
     with open_bundle(archive) as b:
         sha = b.sha256
-        predicate = {"model_id": b.meta.get("model_id") or " → ".join(s.model_id for s in b.stages),
-                     "target": b.meta.get("target"), "bundle_format": b.meta.get("format")}
+        predicate = _bundle_identity(b)
+    if release is not None:
+        predicate["release"] = release
     statement = {"_type": STATEMENT_TYPE, "subject": [{"name": archive.name, "digest": {"sha256": sha}}],
                  "predicateType": PREDICATE_TYPE, "predicate": predicate}
     payload = canonical_json(statement).encode("utf-8")
@@ -129,9 +156,12 @@ def sign_bundle(archive: Path, private_key: Path) -> Path:
     return out
 
 
-def verify_signature(archive: Path, public_key: Path) -> dict:
+def verify_signature(archive: Path, public_key: Path, *, expect_model: Optional[str] = None,
+                     min_release: Optional[int] = None) -> dict:
     """The signed statement of `archive`, after checking its envelope's signature with `public_key` and that
-    the signed digest is the archive's sha256. An absent, malformed, foreign or stale signature is refused."""
+    the signed digest is the archive's sha256. An absent, malformed, foreign or stale signature is refused; so is
+    one that signs another model than `expect_model` (a substituted bundle, renamed) or a release older than
+    `min_release` (a rollback), or none when a floor is given."""
     InvalidSignature, _, _ = _crypto()
     archive = Path(archive)
     key = _read_key(public_key, private=False)
@@ -173,7 +203,31 @@ def verify_signature(archive: Path, public_key: Path) -> dict:
     if statement.get("_type") != STATEMENT_TYPE or sha not in digests:
         raise DsaError(str(archive), f"has sha256 {sha}, but its signature covers {', '.join(sorted(digests))}",
                        "the archive changed after it was signed: get the signed release again")
+    predicate = statement.get("predicate") if isinstance(statement.get("predicate"), dict) else {}
+    if expect_model is not None and predicate.get("model_id") != expect_model:
+        raise DsaError(str(archive), f"is signed as model {str(predicate.get('model_id'))[:100]!r}, not the "
+                       f"expected {expect_model!r}", "this is another model's release: get the right bundle")
+    if min_release is not None:
+        check_release(min_release, "--min-release")
+        release = predicate.get("release")
+        if release is None:
+            raise DsaError(str(archive), "was signed without a release number, and a release floor "
+                           f"({min_release}) is required", "sign releases with `dsa sign ... --release N`")
+        if isinstance(release, bool) or not isinstance(release, int) or release < min_release:
+            raise DsaError(str(archive), f"is signed as release {str(release)[:40]}, older than the floor "
+                           f"{min_release} (a rollback)", "install the current release")
     return statement
+
+
+def check_identity(statement: dict, opened, archive: Path) -> None:
+    """The signed identity against the bundle as opened (every digest already checked): they agree unless the
+    signer signed something else than what this bundle says it is."""
+    signed = statement.get("predicate") or {}
+    actual = _bundle_identity(opened)
+    for field in ("model_id", "target", "bundle_format", "lock_sha256"):
+        if field in signed and signed[field] != actual[field]:
+            raise DsaError(str(archive), f"its signature names {field} {str(signed[field])[:100]!r}, the bundle "
+                           f"{str(actual[field])[:100]!r}", "the signature is not this bundle's: sign it again")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -184,9 +238,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     s = sub.add_parser("sign", help="verify a bundle, then sign it (NAME.dsse.json beside it)")
     s.add_argument("bundle")
     s.add_argument("--key", required=True, help="the private key (KEY.pem)")
+    s.add_argument("--release", type=int, help="the release number the signature states (1, 2, 3, ... in the order "
+                   "releases ship): what a robot's --min-release floor compares")
     v = sub.add_parser("verify", help="check a bundle as `dsa run` would; with --key, its signature too")
     v.add_argument("bundle")
     v.add_argument("--key", help="the signer's public key (KEY.pub.pem): the bundle must be signed by it")
+    add_expectations(v)
     a = parser.parse_args(argv)
     from dsa.runtime.bundle import open_bundle, user_path
 
@@ -194,15 +251,40 @@ def main(argv: Optional[List[str]] = None) -> None:
         private, public = generate_key(user_path(a.key))
         print(f"dsa keygen: wrote {private} (private: keep it secret) and {public}")
     elif a.command == "sign":
-        out = sign_bundle(user_path(a.bundle), user_path(a.key))
+        out = sign_bundle(user_path(a.bundle), user_path(a.key), release=a.release)
         print(f"dsa sign: wrote {out}")
     else:
         archive = user_path(a.bundle)
+        check_expectations(a, a.key, "--key")
+        statement = verify_signature(archive, user_path(a.key), expect_model=a.expect_model,
+                                     min_release=a.min_release) if a.key else None
         with open_bundle(archive) as b:
+            if statement is not None:
+                check_identity(statement, b, archive)
             print(b.describe())
         if a.key:
-            verify_signature(archive, user_path(a.key))
-            print(f"signature {signature_path(archive).name}: verified with {a.key}")
+            print(f"signature {signature_path(archive).name}: verified with {a.key}{describe_signed(statement)}")
+
+
+def add_expectations(parser) -> None:
+    """--expect-model and --min-release: what a signature must say (dsa verify, dsa run)."""
+    parser.add_argument("--expect-model", metavar="MODEL_ID",
+                        help="with a signature: refuse a bundle signed as another model (a substituted release)")
+    parser.add_argument("--min-release", type=int, metavar="N",
+                        help="with a signature: refuse a release signed with a lower number, or none (a rollback)")
+
+
+def check_expectations(a, key, flag: str) -> None:
+    for name in ("expect_model", "min_release"):
+        if getattr(a, name) is not None and not key:
+            raise DsaError(f"--{name.replace('_', '-')}", f"needs {flag}: only a signature binds a model id and a "
+                           "release number", f"pass {flag} KEY.pub.pem")
+
+
+def describe_signed(statement: Optional[dict]) -> str:
+    predicate = (statement or {}).get("predicate") or {}
+    release = predicate.get("release")
+    return f" (model {predicate.get('model_id')}" + (f", release {release})" if release is not None else ")")
 
 
 if __name__ == "__main__":

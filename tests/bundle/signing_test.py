@@ -108,3 +108,73 @@ def test_release_with_a_key_ships_only_a_signed_bundle_and_its_signature(signed,
     S.signature_path(signed).unlink()
     with pytest.raises(DsaError, match="is not signed"):
         B.release(signed, tmp_path / "out2", public_key=keys[1])
+
+
+# -- what a signature says: the model and the release (substitution and rollback) ---------------------------
+
+@pytest.fixture
+def released(built_copy, keys):
+    """The bundle signed as release 3."""
+    proc = cli("dsa", "sign", built_copy, "--key", keys[0], "--release", "3")
+    assert proc.returncode == 0, proc.stderr
+    return built_copy
+
+
+def test_the_signed_statement_names_the_model_the_recipe_lock_and_the_release(released):
+    statement = json.loads(base64.b64decode(json.loads(S.signature_path(released).read_text())["payload"]))
+    predicate = statement["predicate"]
+    assert predicate["model_id"] == "pi0" and predicate["release"] == 3
+    with B.open_bundle(released) as b:
+        assert predicate["lock_sha256"] == b.meta["files"][B.LOCK_JSON]["sha256"]
+
+
+def test_a_bundle_signed_as_another_model_is_refused_even_renamed(released, keys, tmp_path):
+    """Substitution: pi0's signed release, renamed to the name the robot expects, is still pi0's."""
+    renamed = tmp_path / "act_bundle.tar"
+    shutil.copyfile(released, renamed)
+    shutil.copyfile(S.signature_path(released), S.signature_path(renamed))
+    _refused(cli("dsa", "run", renamed, "--require-signature", keys[1], "--expect-model", "act"),
+             "is signed as model 'pi0', not the expected 'act'")
+    _refused(cli("dsa", "verify", renamed, "--key", keys[1], "--expect-model", "act"), "not the expected 'act'")
+    run = cli("dsa", "run", renamed, "--require-signature", keys[1], "--expect-model", "pi0", "--steps", "1",
+              "--repeats", "1")
+    assert run.returncode == 0 and "(model pi0, release 3)" in run.stdout, run.stderr
+
+
+def test_an_older_release_is_refused_under_a_release_floor(released, keys):
+    """Rollback: release 3 under a floor of 4 is refused; under 3 it runs."""
+    _refused(cli("dsa", "run", released, "--require-signature", keys[1], "--min-release", "4"),
+             "is signed as release 3, older than the floor 4 (a rollback)")
+    run = cli("dsa", "run", released, "--require-signature", keys[1], "--min-release", "3", "--steps", "1",
+              "--repeats", "1")
+    assert run.returncode == 0, run.stderr
+
+
+def test_a_release_floor_refuses_a_signature_without_a_release_number(signed, keys):
+    _refused(cli("dsa", "run", signed, "--require-signature", keys[1], "--min-release", "1"),
+             "was signed without a release number")
+
+
+@pytest.mark.parametrize("flags", [["--expect-model", "pi0"], ["--min-release", "2"]])
+def test_expectations_without_a_signature_are_refused(built_copy, flags):
+    _refused(cli("dsa", "run", built_copy, *flags), "needs --require-signature")
+    _refused(cli("dsa", "verify", built_copy, *flags), "needs --key")
+
+
+@pytest.mark.parametrize("release", ["-1", str(2 ** 60)])
+def test_a_release_number_out_of_range_is_refused(built_copy, keys, release):
+    _refused(cli("dsa", "sign", built_copy, "--key", keys[0], "--release", release), "is not a release number")
+    assert not S.signature_path(built_copy).exists()
+
+
+def test_the_python_api_checks_model_and_release_as_dsa_run_does(released, keys):
+    from dsa.runtime import load
+
+    with pytest.raises(DsaError, match="not the expected 'act'"):
+        load(released, require_signature=keys[1], expect_model="act")
+    with pytest.raises(DsaError, match="older than the floor 9"):
+        load(released, require_signature=keys[1], min_release=9)
+    with pytest.raises(DsaError, match="need require_signature"):
+        load(released, expect_model="pi0")
+    with load(released, require_signature=keys[1], expect_model="pi0", min_release=3) as policy:
+        assert policy.model_id == "pi0"

@@ -188,6 +188,23 @@ def test_a_tokenising_policy_refuses_an_observation_without_its_task_text():
             ours.select_action(obs)
 
 
+def test_a_signed_pipeline_bundle_is_checked_in_the_lerobot_environment(tmp_path):
+    """The LeRobot environment holds `cryptography` too: a LeRobot user loads a signed release as the robot does,
+    and another model's release is refused."""
+    import shutil
+
+    from dsa.runtime import signing
+
+    private, public = signing.generate_key(tmp_path / "release")
+    bundle = tmp_path / "act_pipeline_bundle.tar"
+    shutil.copyfile(runfile("models/act_pipeline_bundle.tar"), bundle)
+    signing.sign_bundle(bundle, private, release=2)
+    with dsa.runtime.load(bundle, require_signature=public, expect_model="act", min_release=2) as ours:
+        assert ours.pipeline is not None
+    with pytest.raises(DsaError, match="not the expected 'pi05'"):
+        dsa.runtime.load(bundle, require_signature=public, expect_model="pi05")
+
+
 RUNTIME_PYTHON = runfile("../dsa_runtime_python/bin/python3")
 
 

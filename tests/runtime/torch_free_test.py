@@ -1,4 +1,5 @@
-"""A release bundle runs where only IREE's runtime, numpy and tokenizers are installed (@dsa_runtime_python):
+"""A release bundle runs where only IREE's runtime, numpy, tokenizers and cryptography are installed
+(@dsa_runtime_python):
 the deployment API keeps LeRobot's action queue (`select_action` runs the module once per n_action_steps calls
 and returns the chunk's actions in order; `reset` empties it), gives the build tree's actions, and refuses a
 tampered bundle; `dsa run BUNDLE` works there too; a whole-pipeline bundle takes raw frames and task text.
@@ -104,6 +105,28 @@ def test_dsa_run_runs_the_bundle_here():
     assert proc.returncode == 0, proc.stderr
     assert "action chunk (1, " in proc.stdout
     assert "torch" not in sys.modules
+
+
+def test_a_signed_release_is_checked_here_model_and_release_included(tmp_path):
+    """The robot-side environment holds `cryptography`: `dsa run --require-signature` and dsa.runtime.load with
+    require_signature work here, and refuse another model or an older release."""
+    import shutil
+
+    from dsa.runtime import signing
+
+    private, public = signing.generate_key(tmp_path / "release")
+    copy = tmp_path / BUNDLE.name
+    shutil.copyfile(BUNDLE, copy)
+    signing.sign_bundle(copy, private, release=5)
+    with dsa.runtime.load(copy, require_signature=public, expect_model="pi0", min_release=5) as policy:
+        assert policy.model_id == "pi0"
+    with pytest.raises(DsaError, match="not the expected 'act'"):
+        dsa.runtime.load(copy, require_signature=public, expect_model="act")
+    proc = subprocess.run([sys.executable, "-m", "dsa.runtime.run", "--bundle", str(copy), "--require-signature",
+                           str(public), "--min-release", "6"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == 2 and "older than the floor 6 (a rollback)" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "torch" not in sys.modules
 
 
 def test_a_pipeline_bundle_takes_raw_frames_state_and_task_text_here():
