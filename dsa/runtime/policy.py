@@ -156,9 +156,23 @@ class CompiledPolicy:
     def select(self, inputs: Dict[str, np.ndarray]) -> Tuple[Module, Dict[str, int]]:
         """The smallest module whose bucket holds the inputs' bucketed dims."""
         sizes: Dict[str, int] = {}
+        first: Dict[str, str] = {}
         for spec in self.input_specs:
+            if spec["name"] not in inputs:
+                continue  # prepare() names what is missing
+            shape = np.shape(inputs[spec["name"]])
+            if len(shape) != len(spec["shape"]):
+                continue  # prepare() refuses the rank
             for axis, dim in spec.get("dims", {}).items():
-                sizes[dim] = max(sizes.get(dim, 0), int(np.shape(inputs[spec["name"]])[int(axis)]))
+                size = int(shape[int(axis)])
+                if dim in sizes and sizes[dim] != size:
+                    # Inputs that share a dim (a prompt's tokens and mask) have one size: the shorter one
+                    # would be padded with tokens the mask says are real, or the reverse.
+                    raise DsaError(f"{self.model_id}: input '{spec['name']}'",
+                                   f"has {dim} {size}, but input '{first[dim]}' has {sizes[dim]}: the inputs "
+                                   f"sharing {dim} must agree", "pass them at one length")
+                sizes[dim] = size
+                first.setdefault(dim, spec["name"])
         for module in self.modules:
             if module.holds(sizes):
                 return module, sizes

@@ -223,6 +223,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         _run(a, stage.index_path)
 
 
+# An episode `dsa run` replays: at most this many control steps (16 minutes at 10 Hz).
+MAX_EPISODE_STEPS = 10_000
+
+
 def load_raw_episode(path: Path, spec: dict) -> dict:
     """Raw observation arrays (.npz) for a policy pipeline: each member one of the pipeline's observation keys,
     of its dtype and shape, or with a leading step axis (an episode); checked before anything is decompressed."""
@@ -250,6 +254,12 @@ def load_raw_episode(path: Path, spec: dict) -> dict:
                                f"the observation keys are: {', '.join(sorted(wanted))}")
             if member.file_size > MAX_INPUT_BYTES + NPY_HEADER_BYTES:
                 raise DsaError(f"{where}: member '{name}'", f"is {member.file_size} bytes", "pass a shorter episode")
+        if len({name for name, _ in members}) != len(members):
+            raise DsaError(where, "holds a member twice", "write it with numpy.savez")
+        total = sum(member.file_size for _, member in members)
+        if total > MAX_INPUT_BYTES + NPY_HEADER_BYTES * len(members):
+            raise DsaError(where, f"declares {total} bytes once decompressed, over the {MAX_INPUT_BYTES}-byte limit "
+                           "of an episode", "pass a shorter episode")
         for name, member in members:
             try:
                 with archive.open(member) as f:
@@ -259,6 +269,25 @@ def load_raw_episode(path: Path, spec: dict) -> dict:
     missing = sorted(set(wanted) - set(values))
     if missing:
         raise DsaError(where, f"lacks {', '.join(missing)}", f"the policy observes {', '.join(sorted(wanted))}")
+    steps = set()
+    for name, value in values.items():
+        shape = list(wanted[name]["shape"])
+        if list(value.shape) == shape:
+            steps.add(None)
+        elif list(value.shape[1:]) == shape and value.ndim == len(shape) + 1:
+            steps.add(int(value.shape[0]))
+        else:
+            raise DsaError(f"{where}: member '{name}'", f"has shape {list(value.shape)}: the policy observes "
+                           f"{shape}, or an episode of them [steps, {', '.join(map(str, shape))}]",
+                           "write one observation or one episode")
+    if len(steps) > 1:
+        raise DsaError(where, "mixes single observations and episodes of different lengths "
+                       f"({', '.join(sorted('one observation' if s is None else f'{s} steps' for s in steps))})",
+                       "give every key the same number of steps")
+    count = next(iter(steps))
+    if count is not None and not 1 <= count <= MAX_EPISODE_STEPS:
+        raise DsaError(where, f"is an episode of {count} steps; an episode holds 1 to {MAX_EPISODE_STEPS}",
+                       "split it")
     return values
 
 

@@ -3,6 +3,7 @@
     ./bazelw test //models/...                    # first: the parity cells are the models' own test results
     ./bazelw run //tools:import_matrix [-- --models act,pi0] [--no-measure] [--out-dir DIR] [--runs 10]
     ./bazelw run //tools:import_matrix -- --real-size   # also the real-size policies, as a second table
+    bin/dsa import-matrix --real-size-only --real-size-bin DIR   # that table alone; the main one as committed
 
 Writes docs/import-matrix.md (the table, how it was made, machine, CPU, date, command), docs/import-matrix.json
 (the collected data the table is rendered from) and the same table into README.md between the lines
@@ -737,11 +738,13 @@ def render_real_size(data: dict) -> List[str]:
     if not real:
         return []
     lines = ["", "**Real sizes** (the real-size policies, `--real-size`):", ""] + _table(real["rows"])
+    made = (f" Collected {real['date']} by `{real['command']}` on {real['machine']['cpu']} "
+            f"({real['machine']['threads']} threads).") if real.get("command") and real.get("machine") else ""
     lines += ["", f"Real sizes: built by hand in {real.get('bin') or 'the bin directory'}; compile time and peak RSS "
                   "measured here as above; import→vmfb and latency from `dsa scale` "
                   f"({real.get('results') or REAL_SIZE_RESULTS}, docs/real-size.md), matched by the vmfb's "
                   "sha256: its `dsa compile --no-cache` of the same manifest and stand-in, and its median runtime "
-                  "call at batch 1 with the ratio to eager in the subject's environment."]
+                  "call at batch 1 with the ratio to eager in the subject's environment." + made]
     notes = [(row, note) for row in real["rows"] for note in row["notes"]]
     if notes:
         lines.append("")
@@ -974,7 +977,15 @@ def main(argv: Optional[List[str]] = None) -> None:
                         "(default: --bin, else the bin directory of this output base)")
     parser.add_argument("--real-size-results", type=Path, help=f"dsa scale's data (default: <workspace>/"
                         f"{REAL_SIZE_RESULTS})")
+    parser.add_argument("--real-size-only", action="store_true",
+                        help="collect the real-size table alone and keep the main table as the committed "
+                        "import-matrix.json has it (the real-size policies are built apart, in tens of GB, and the "
+                        "main table's latencies were measured on a quiet machine)")
     a = parser.parse_args(argv)
+    if a.real_size_only:
+        a.real_size = True
+        if a.from_json:
+            raise DsaError("--real-size-only", "collects the real-size table: it does not go with --from-json")
     if a.runs < 1:
         raise DsaError("--runs", f"{a.runs} is not a positive number of repetitions")
     workspace = workspace_root()
@@ -987,7 +998,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if a.from_json:
         data = read_json(a.from_json)
     else:
-        if not (bin_dir / "models").is_dir():
+        if not (bin_dir / "models").is_dir() and not (a.real_size_only and a.real_size_bin):
             raise DsaError(str(bin_dir), "holds no models/ build outputs",
                            "build first (`./bazelw build //tools:import_matrix`), or pass --bin")
         args = list(sys.argv[1:] if argv is None else argv)
@@ -1000,9 +1011,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"dsa import-matrix: outputs from {bin_dir}, test results from {testlogs}", flush=True)
         bench_path = None if a.bench_results == Path("") else (a.bench_results or workspace / "bench" / "results.json")
         bench = read_bench_latencies(bench_path) if bench_path is not None else {}
-        rows = collect(select_models(a.models, read_models(bin_dir)), bin_dir, testlogs, measure=not a.no_measure,
-                       runs=a.runs, threads=a.threads, workspace=workspace,
-                       sources=None if a.no_import else read_import_sources(bin_dir), bench=bench)
+        committed = None
+        if a.real_size_only:  # the main table as committed; only the real-size rows are collected
+            committed = read_json(out_dir / "import-matrix.json")
+            rows = committed["rows"]
+        else:
+            rows = collect(select_models(a.models, read_models(bin_dir)), bin_dir, testlogs,
+                           measure=not a.no_measure, runs=a.runs, threads=a.threads, workspace=workspace,
+                           sources=None if a.no_import else read_import_sources(bin_dir), bench=bench)
         real_size = None
         if a.real_size:
             real_bin = a.real_size_bin or real_size_bin(bin_dir)
@@ -1012,7 +1028,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             real_rows = collect(read_models(real_bin, POLICIES_REAL_SIZE_INDEX), real_bin, testlogs,
                                 measure=not a.no_measure, runs=a.runs, threads=a.threads, workspace=workspace,
                                 bench={}, scale=read_scale_results(results_path))
-            real_size = {"bin": str(real_bin), "results": _shown(results_path, workspace), "rows": real_rows}
+            real_size = {"bin": str(real_bin), "results": _shown(results_path, workspace), "rows": real_rows,
+                         "date": time.strftime("%Y-%m-%d"), "command": command,
+                         "machine": _machine(a.threads), "testlogs": str(testlogs)}
         targets = sorted({r["target"] for r in rows if r["target"]})
         data = {
             "format": DATA_FORMAT,
@@ -1025,6 +1043,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             "toolchain": _toolchain(),
             "rows": rows,
         }
+        if committed is not None:  # the main table's own provenance stays as it was
+            data = {**committed, "real_size": real_size}
         if real_size is not None:
             data["real_size"] = real_size
         data = json.loads(json.dumps(data, default=str))  # paths → strings: what the JSON file holds

@@ -426,6 +426,75 @@ def test_a_non_finite_sensor_reading_is_refused_before_the_network(act_files, tm
     _refused(lambda: pipeline.select_action(observation), f"observation: {state}", "NaN or an infinity")
 
 
+# -- 4b. episodes `dsa run --observation` replays ----------------------------------------------------------------
+
+EPISODE_SPEC = {"observation": {"observation.state": {"dtype": "float32", "shape": [4]},
+                                "observation.images.top": {"dtype": "uint8", "shape": [6, 8, 3]},
+                                "task": {"dtype": "str", "shape": []}}}
+
+
+def _episode_file(tmp_path: Path, **arrays) -> Path:
+    path = tmp_path / "episode.npz"
+    np.savez(path, **{k.replace(".", "__"): v for k, v in arrays.items()})
+    # numpy.savez keys cannot hold dots through **kwargs: rename the members as the policy names them
+    import zipfile
+
+    fixed = tmp_path / "fixed.npz"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(fixed, "w") as dst:
+        for member in src.infolist():
+            dst.writestr(member.filename.replace("__", "."), src.read(member))
+    return fixed
+
+
+@pytest.mark.parametrize("state_steps, image_steps, says", [
+    (5, 4, "mixes single observations and episodes of different lengths"),
+    (5, None, "mixes single observations and episodes"),
+    (0, 0, "is an episode of 0 steps"),
+    (10_001, 10_001, "is an episode of 10001 steps"),
+])
+def test_a_ragged_empty_or_endless_episode_is_refused(tmp_path, state_steps, image_steps, says):
+    from dsa.runtime.run import load_raw_episode
+
+    def frames(steps, shape, dtype):
+        return np.zeros(shape if steps is None else [steps, *shape], dtype)
+
+    image_shape = [6, 8, 3] if image_steps != 10_001 else [1, 1, 3]
+    spec = EPISODE_SPEC if image_steps != 10_001 else {"observation": {
+        "observation.state": {"dtype": "float32", "shape": [4]},
+        "observation.images.top": {"dtype": "uint8", "shape": image_shape}}}
+    path = _episode_file(tmp_path, **{"observation.state": frames(state_steps, [4], np.float32),
+                                      "observation.images.top": frames(image_steps, image_shape, np.uint8)})
+    _refused(lambda: load_raw_episode(path, spec), says)
+
+
+def test_an_episode_member_of_another_shape_is_refused_naming_it(tmp_path):
+    from dsa.runtime.run import load_raw_episode
+
+    path = _episode_file(tmp_path, **{"observation.state": np.zeros([3, 5], np.float32),
+                                      "observation.images.top": np.zeros([3, 6, 8, 3], np.uint8)})
+    _refused(lambda: load_raw_episode(path, EPISODE_SPEC), "member 'observation.state'", "has shape [3, 5]")
+
+
+@settings(max_examples=100, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(state=st.lists(st.integers(0, 6), min_size=0, max_size=3), image=st.lists(st.integers(0, 8), max_size=4),
+       keys=st.sets(st.sampled_from(["observation.state", "observation.images.top", "odd"]), min_size=1))
+def test_fuzzed_episodes_are_read_only_when_every_key_agrees(tmp_path, state, image, keys):
+    from dsa.runtime.run import load_raw_episode
+
+    arrays = {"observation.state": np.zeros(state, np.float32), "observation.images.top": np.zeros(image, np.uint8),
+              "odd": np.zeros([1], np.float32)}
+    path = _episode_file(tmp_path, **{k: arrays[k] for k in keys})
+    try:
+        values = load_raw_episode(path, EPISODE_SPEC)
+    except DsaError as e:
+        assert "\n" not in str(e)
+        return
+    lengths = {v.shape[0] if v.ndim == len(EPISODE_SPEC["observation"][k]["shape"]) + 1 else None
+               for k, v in values.items()}
+    assert len(lengths) == 1 and (None in lengths or 1 <= next(iter(lengths)) <= 10_000)
+
+
 # -- 5. fuzzing: any processor JSON or statistics file is loaded or refused with one DsaError -------------------
 
 _json_values = st.recursive(

@@ -85,6 +85,10 @@ API_CASES = {
     "state_of_the_wrong_rank": ("state", lambda g: g["state"][0], "has rank 1"),
     "state_of_the_wrong_width": ("state", lambda g: np.zeros((1, 15), np.float32), "has shape [1, 15]"),
     "camera_as_a_string": ("wrist_rgb", lambda g: "not an image", "holds <U12 values, not numbers"),
+    "mask_shorter_than_its_tokens": ("prompt_mask", lambda g: g["prompt_mask"][:, :15],
+                                     "the inputs sharing prompt_len must agree"),
+    "tokens_longer_than_their_mask": ("prompt_tokens", lambda g: np.concatenate([g["prompt_tokens"]] * 2, axis=1),
+                                      "the inputs sharing prompt_len must agree"),
 }
 
 
