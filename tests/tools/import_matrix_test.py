@@ -464,3 +464,29 @@ def test_a_build_for_a_further_target_takes_its_policys_front_end(tmp_path):
     unit = im.Unit("pi0_full_x86_64-v4", None, tmp_path, [{"vmfb": tmp_path / "x.vmfb", "record": record}])
     row = im.collect_files(im.ModelSpec("pi0_full_x86_64-v4", ""), unit, {"status": im.NOT_RUN})
     assert row["front_end"] == "lerobot"
+
+
+def test_real_size_only_collects_the_real_size_table_and_keeps_the_committed_main_table(tmp_path):
+    """`--real-size-only`: the main table's rows and provenance are the committed import-matrix.json's, byte for
+    byte in the data; the real-size rows are collected from their own bin directory (here: indexed, not built)."""
+    out = tmp_path / "docs"
+    out.mkdir()
+    committed = {"format": im.DATA_FORMAT, "date": "2026-11-30", "command": "./bazelw run //tools:import_matrix",
+                 "measure": True, "runs": 10, "target": "x86_64-v3",
+                 "machine": {"cpu": "some CPU", "cores": 2, "threads": 2, "system": "Linux", "loadavg": "0"},
+                 "toolchain": {}, "rows": [_row("act")]}
+    (out / "import-matrix.json").write_text(json.dumps(committed))
+    real = tmp_path / "real-bin"
+    (real / "models").mkdir(parents=True)
+    (real / im.POLICIES_REAL_SIZE_INDEX).write_text(json.dumps(
+        {"format": 1, "pipelines": [], "policies": [{"name": "pi0_full", "test": "//models/pi0_full:pi0_full_test"}]}))
+    im.main(["--real-size-only", "--real-size-bin", str(real), "--bin", str(tmp_path / "none"),
+             "--testlogs", str(tmp_path / "testlogs"), "--out-dir", str(out), "--readme", "", "--no-measure",
+             "--real-size-results", str(tmp_path / "no-scale.json"), "--bench-results", ""])
+    data = json.loads((out / "import-matrix.json").read_text())
+    assert {k: v for k, v in data.items() if k != "real_size"} == json.loads(json.dumps(committed))
+    [row] = data["real_size"]["rows"]
+    assert row["module"] == "pi0_full" and not row["built"] and row["parity"]["status"] == "not run"
+    assert data["real_size"]["command"] and data["real_size"]["machine"]["cpu"]
+    document = (out / "import-matrix.md").read_text()
+    assert "**Real sizes**" in document and "pi0_full" in document and "Collected " in document
