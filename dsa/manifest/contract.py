@@ -135,8 +135,9 @@ def _construct_checked_scalar(loader: "_Loader", node: yaml.ScalarNode) -> Any:
     try:
         value = _SAFE_CONSTRUCTORS[node.tag](loader, node)
     except (ValueError, KeyError):
+        shown = node.value if len(node.value) <= 80 else f"{node.value[:40]}...({len(node.value)} characters)"
         raise loader.problem(
-            node, f"{node.value!r} is not a valid {kind}", f"fix the value or drop the !!{kind} tag"
+            node, f"{shown!r} is not a valid {kind}", f"fix the value or drop the !!{kind} tag"
         ) from None
     if isinstance(value, float) and not math.isfinite(value):
         raise loader.problem(node, f"non-finite number {node.value!r} is not allowed", "use a finite number")
