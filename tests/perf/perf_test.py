@@ -111,7 +111,8 @@ def test_every_family_list_of_candidates_is_allowed_as_tuning_for_every_target_i
 def test_a_family_gets_its_own_candidates_and_a_candidate_only_the_targets_it_names(tmp_path):
     path = tmp_path / "candidates.json"
     path.write_text(json.dumps({"format": 1, "candidates": [{"name": "baseline", "flags": []}], "families": {
-        "conv": [{"name": "a", "flags": ["--a"]}, {"name": "wide", "flags": ["--w"], "targets": ["x86_64-v4"]}]}}))
+        "conv": [{"name": "a", "flags": ["--iree-opt-level=O3"]},
+                 {"name": "wide", "flags": ["--iree-opt-data-tiling"], "targets": ["x86_64-v4"]}]}}))
     assert [c["name"] for c in tune.load_candidates(path, "conv", "x86_64-v4")] == ["a", "wide"]
     assert [c["name"] for c in tune.load_candidates(path, "conv", "x86_64-v3")] == ["a"]
     assert [c["name"] for c in tune.load_candidates(path, "other", "x86_64-v3")] == ["baseline"]
@@ -120,7 +121,7 @@ def test_a_family_gets_its_own_candidates_and_a_candidate_only_the_targets_it_na
 def test_a_family_list_with_a_repeated_name_is_refused_naming_the_family(tmp_path):
     path = tmp_path / "candidates.json"
     path.write_text(json.dumps({"format": 1, "candidates": [{"name": "baseline", "flags": []}], "families": {
-        "conv": [{"name": "a", "flags": []}, {"name": "a", "flags": ["--x"]}]}}))
+        "conv": [{"name": "a", "flags": []}, {"name": "a", "flags": ["--iree-opt-level=O1"]}]}}))
     with pytest.raises(DsaError, match="families.conv: candidate name 'a' appears twice"):
         tune.load_candidates(path, "conv")
 
