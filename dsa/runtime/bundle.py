@@ -1307,6 +1307,14 @@ def _check_against_lock(archive: Path, dest: Path, table: dict, found: Dict[str,
     _check_views_against_lock(archive, dest, table, found, lock, prefix)
 
 
+def _member_json(archive: Path, dest: Path, name: str):
+    """An extracted member read as JSON, or a refusal naming it."""
+    try:
+        return read_json(dest / name)
+    except (ValueError, UnicodeError, RecursionError):
+        raise DsaError(f"{archive}: {name}", "is not JSON", "copy the release again") from None
+
+
 def _check_views_against_lock(archive: Path, dest: Path, table: dict, found: Dict[str, Tuple[str, int]],
                               lock: dict, prefix: str) -> None:
     """What the lock pins through the manifest: the runtime view (its digest is in the lock's `views`), and,
@@ -1322,10 +1330,7 @@ def _check_views_against_lock(archive: Path, dest: Path, table: dict, found: Dic
         raise DsaError(f"{archive}: {name}", f"has sha256 {found[name][0]}, the recipe lock pins "
                        f"{views['runtime']}", "the bundle's files are not the ones its lock was built with: it "
                        "was altered; copy the release again")
-    try:
-        view = read_json(dest / name)
-    except (ValueError, UnicodeError, RecursionError):
-        raise DsaError(f"{archive}: {name}", "is not JSON", "copy the release again") from None
+    view = _member_json(archive, dest, name)
     procs = view.get("processors") if isinstance(view, dict) else None
     if not isinstance(procs, dict) or POLICY_PIPELINE_JSON not in found:
         return
@@ -1341,10 +1346,7 @@ def _check_views_against_lock(archive: Path, dest: Path, table: dict, found: Dic
             raise DsaError(f"{archive}: {member}", f"has sha256 {got}, the manifest the recipe lock pins says "
                            f"{sha}", "the bundle's processor files are not the ones it was built with: it was "
                            "altered; copy the release again")
-    try:
-        spec = read_json(dest / POLICY_PIPELINE_JSON)
-    except (ValueError, UnicodeError, RecursionError):
-        raise DsaError(f"{archive}: {POLICY_PIPELINE_JSON}", "is not JSON", "copy the release again") from None
+    spec = _member_json(archive, dest, POLICY_PIPELINE_JSON)
     loop = spec.get("loop") if isinstance(spec, dict) and isinstance(spec.get("loop"), dict) else {}
     steps = loop.get("steps") if isinstance(loop.get("steps"), dict) else None
     for field, ours, pinned in (("loop.n_action_steps", loop.get("n_action_steps"), view.get("n_action_steps")),
