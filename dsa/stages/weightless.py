@@ -207,7 +207,7 @@ def materialise(module, read, names=None) -> None:
                 continue
         if value is None:
             raise KeyError(f"no tensor for {' / '.join(sorted(group))}")
-        tensor = value if isinstance(value, torch.Tensor) else _torch_of(np.asarray(value))
+        tensor = value if isinstance(value, torch.Tensor) else torch_of(np.asarray(value))
         want = state[group[0]].dtype
         if tensor.dtype != want:
             tensor = tensor.to(want)
@@ -216,7 +216,7 @@ def materialise(module, read, names=None) -> None:
     module.load_state_dict(values, strict=True, assign=True)
 
 
-def _torch_of(array):
+def torch_of(array):
     """A numpy array (bf16 as ml_dtypes.bfloat16) as a torch tensor sharing its memory."""
     import torch
 

@@ -30,8 +30,10 @@ For each subject (a manifest):
               Linux a child's ru_maxrss starts at its parent's RSS at fork).
   eager       the same inputs through the framework's own eager model in the subject's environment, in another
               process (LeRobot: its policy class, loaded by dsa.frontends.lerobot.load_pretrained_mapped; pytorch:
-              dsa.tools.testing.eager_policy): the same timings and VmHWM, and the runtime's largest deviation from
-              it. Skipped, saying why, when its float32 weights cannot fit this machine's memory.
+              dsa.tools.testing.eager_policy; a weight-quantised model: dsa.tools.testing.quantised_eager_policy,
+              the same quantised weights dequantised one layer at a time, since its float32 weights need not fit):
+              the same timings and VmHWM, and the runtime's largest deviation from it. Skipped, saying why, when
+              those weights cannot fit this machine's memory.
 
 A family sweep (`--sweep pi0`) measures the family at three sizes with the real size's recipe (the same
 manifest fields — precision, buckets, targets, tuning — and stand-in generator; only the policy config and the
@@ -474,6 +476,17 @@ def run_child(cmd: List[str], env: dict, result: Path, what: str) -> dict:
     return json.loads(result.read_text())
 
 
+def eager_weight_bytes(record: dict, checkpoint_elements: int) -> int:
+    """What the eager reference's weights take: float32 for every tensor, or, for a weight-quantised model
+    (its export record's `quantization`), the quantised reference's integers and scales
+    (dsa.tools.testing.quantised_eager_policy) beside float32 for the rest."""
+    if record.get("quantization"):
+        from dsa.tools.testing import quantised_eager_bytes
+
+        return quantised_eager_bytes(record, checkpoint_elements)
+    return checkpoint_elements * 4
+
+
 def _timed_calls(call: Callable[[], object], runs: int) -> Tuple[float, List[float], object]:
     start = time.perf_counter()
     out = call()
@@ -543,12 +556,16 @@ def eager_child(framework: str, record_path: Path, flow_steps: Optional[int], ru
         def call():
             return reference_actions(policy, observation, steps)
     else:
-        from dsa.tools.testing import eager_policy
+        from dsa.tools.testing import eager_policy, quantised_eager_policy
 
         dims = sample_sizes(record)
         if record.get("bucket"):
             dims[record["bucket"]["dim"]] = record["bucket"]["size"]
-        module, spec = eager_policy(read_json(view), dims, checkpoint)
+        if record.get("quantization"):
+            # The same quantised weights as the module (its float32 weights may not fit: OpenVLA-7B's are 30 GB).
+            module, spec = quantised_eager_policy(read_json(view), record, Path(checkpoint), dims)
+        else:
+            module, spec = eager_policy(read_json(view), dims, checkpoint)
         load_s = time.perf_counter() - start
         args = [torch.from_numpy(np.asarray(values[s.name])) for s in spec.inputs]
 
@@ -803,10 +820,10 @@ def measure_subject(subject: Subject, s: Settings, command: str) -> dict:
     if s.eager:
         record_rel = ModuleIndex.read(out_dir / f"{targets[0]}.modules.json").modules
         smallest = min(record_rel, key=lambda m: (read_json(out_dir / m[1]).get("bucket") or {}).get("size", 0))
-        needed = int(entry["checkpoint_parameters"] or 0) * 4
+        needed = eager_weight_bytes(record, int(entry["checkpoint_parameters"] or 0))
         available = memory_total_bytes() - EAGER_MEMORY_MARGIN_BYTES
         if needed > available:
-            entry["eager"] = {"not_run": f"its float32 weights alone need {needed / 2**30:.1f} GiB; this machine has "
+            entry["eager"] = {"not_run": f"its weights alone need {needed / 2**30:.1f} GiB; this machine has "
                                          f"{memory_total_bytes() / 2**30:.1f} GiB"}
         else:
             result, output = work / "eager.json", work / "eager.npy"

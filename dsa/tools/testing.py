@@ -38,6 +38,100 @@ def eager_policy(export_view: dict, dims: dict, checkpoint: Path):
     return module, spec
 
 
+def _dequantising_linear_class():
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class DequantisingLinear(nn.Module):
+        """A packed nn.Linear of the quantised reference: integer values q [out, groups, group] (int8, for
+        int4 as for int8) and float32 scales [out, groups], dequantised to float32 when the layer runs, exactly
+        as the compiled kernel does (float(q) · scale), then x @ wᵀ (+ bias) in float32."""
+
+        def __init__(self, q, scale, bias):
+            super().__init__()
+            self.register_buffer("q", q)
+            self.register_buffer("scale", scale)
+            self.bias = bias
+
+        def forward(self, x):
+            weight = (self.q.to(torch.float32) * self.scale.unsqueeze(-1)).reshape(self.q.shape[0], -1)
+            return F.linear(x, weight, self.bias)
+
+    return DequantisingLinear
+
+
+def quantised_eager_policy(export_view: dict, record: dict, checkpoint: Path, dims: dict):
+    """The eager reference of a weight-quantised model (the export record's `quantization`) when its float32
+    weights do not fit in memory: the model built without weights, each quantised nn.Linear it runs replaced
+    by a DequantisingLinear over dsa.stages.quant's own quantisation of the checkpoint's tensor (what DsaParams
+    packs into the archive), every other tensor it reads widened from the checkpoint, one tensor at a time.
+    Both sides then compute in float32 with the same weights; only the order of reductions differs. It holds
+    one byte per quantised weight (int4 values as int8) plus their float32 scales, and builds the float32
+    weight of one layer at a time, while that layer runs. Layers the graph never runs (the record's
+    `unused_parameters`) stay weightless."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from dsa.stages.export import load_entry_point
+    from dsa.stages.quant import quantize_weight
+    from dsa.stages.tensor_files import open_safetensors
+    from dsa.stages.weightless import torch_of, without_weights
+
+    with without_weights():
+        spec = load_entry_point(export_view["model"]["entry_point"])(export_view, dims)
+    module = spec.module.eval()
+    scheme = record["quantization"]["scheme"]
+    quantized = record["quantization"]["tensors"]
+    unused = set(record.get("unused_parameters", ()))
+    dequantising = _dequantising_linear_class()
+    with open_safetensors(checkpoint) as tensors:
+        for prefix, parent in list(module.named_modules()):
+            for attr, child in list(parent.named_children()):
+                name = f"{prefix}.{attr}" if prefix else attr
+                weight = name + ".weight"
+                if not isinstance(child, nn.Linear) or weight not in quantized or weight in unused:
+                    continue
+                parts = quantize_weight(tensors.read(weight), scheme)
+                packed, scale = parts[""], parts["_scale"]
+                if quantized[weight]["kind"] == "int4":
+                    q = (np.stack([packed & 15, packed >> 4], axis=-1).reshape(scale.shape + (-1,)).astype(np.int8)
+                         - np.int8(8))
+                else:
+                    q = packed
+                del parts, packed
+                bias = None
+                if child.bias is not None:
+                    bias = nn.Parameter(torch_of(tensors.read(name + ".bias")).to(torch.float32),
+                                        requires_grad=False)
+                setattr(parent, attr, dequantising(torch.from_numpy(np.ascontiguousarray(q)),
+                                                   torch.from_numpy(scale), bias))
+        values = {}
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if tensor.is_meta and name not in unused:
+                values[name] = torch_of(tensors.read(name)).to(tensor.dtype)
+        module.load_state_dict(values, strict=False, assign=True)
+    missing = [n for n, t in module.state_dict(keep_vars=True).items() if t.is_meta and n not in unused]
+    if missing:
+        raise KeyError(f"{checkpoint}: the quantised reference has no value for {missing[:5]}")
+    return module, spec
+
+
+def quantised_eager_bytes(record: dict, checkpoint_elements: int) -> int:
+    """About what quantised_eager_policy holds: one byte per quantised weight and a float32 scale per group,
+    float32 for every other tensor of the checkpoint."""
+    quantized = (record.get("quantization") or {}).get("tensors") or {}
+    packed = scales = 0
+    for info in quantized.values():
+        n = 1
+        for d in info["shape"]:
+            n *= int(d)
+        packed += n
+        scales += n // max(1, int(info.get("group_size") or 1))
+    return packed + 4 * scales + 4 * max(0, int(checkpoint_elements) - packed)
+
+
 # What an in-process hostile-input case may allocate beyond what the process already holds.
 CASE_MEMORY_HEADROOM_BYTES = 1 << 30
 

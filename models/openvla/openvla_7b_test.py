@@ -1,6 +1,7 @@
 """OpenVLA-7B at its real size (~7.5B parameters), int4 and int8: the compiled module against eager PyTorch.
 
-The reference is eager PyTorch of the SAME quantised model, not the float one: the checkpoint's bf16 weights
+The reference is eager PyTorch of the SAME quantised model, not the float one
+(dsa.tools.testing.quantised_eager_policy, which `dsa scale` uses too): the checkpoint's bf16 weights
 passed through dsa.stages.quant's own quantise (what DsaParams packs into the archive), and each packed
 layer dequantised exactly as the compiled kernel does (float(q) · scale, in float32) right before its
 matmul. The fp32 model cannot be the reference on this machine: 7.5B float32 weights are 30 GB. So the
@@ -122,81 +123,10 @@ def run_compiled(args: dict) -> dict:
     return dict(out, timings=json.dumps({"load_s": load_s, "call_s": calls, "vm_hwm_kib": _vm_hwm_kib()}))
 
 
-def _dequantising_linear_class():
-    import torch
-    from torch import nn
-    import torch.nn.functional as F
-
-    class DequantisingLinear(nn.Module):
-        """A packed nn.Linear of the reference: integer values q [out, groups, group] (int8, for int4 as for
-        int8) and float32 scales [out, groups], dequantised to float32 when the layer runs, exactly as the
-        compiled kernel does (float(q) · scale), then x @ wᵀ (+ bias) in float32."""
-
-        def __init__(self, q, scale, bias):
-            super().__init__()
-            self.register_buffer("q", q)
-            self.register_buffer("scale", scale)
-            self.bias = bias
-
-        def forward(self, x):
-            weight = (self.q.to(torch.float32) * self.scale.unsqueeze(-1)).reshape(self.q.shape[0], -1)
-            return F.linear(x, weight, self.bias)
-
-    return DequantisingLinear
-
-
-def quantised_eager(manifest: Path, record: dict, checkpoint: Path):
-    """The eager reference (module docstring): the model built without weights, each quantised layer it runs
-    replaced by a DequantisingLinear over dsa.stages.quant's quantisation of the checkpoint's tensor, every
-    other tensor it reads widened to float32 from the checkpoint, one tensor at a time. Layers the graph never
-    runs (the towers' blocks after the feature block, their final norms) stay weightless."""
-    import torch
-    from torch import nn
-
+def _export_view(manifest: Path) -> dict:
     from dsa.manifest.contract import load_manifest, project
-    from dsa.stages.export import load_entry_point
-    from dsa.stages.quant import quantize_weight
-    from dsa.stages.tensor_files import open_safetensors
-    from dsa.stages.weightless import _torch_of, without_weights
 
-    view = project(load_manifest(manifest), "export")
-    with without_weights():
-        spec = load_entry_point(view["model"]["entry_point"])(view, {"prompt_len": 16})
-    module = spec.module.eval()
-    scheme = record["quantization"]["scheme"]
-    quantized = record["quantization"]["tensors"]
-    unused = set(record.get("unused_parameters", ()))
-    Dequantising = _dequantising_linear_class()
-    with open_safetensors(checkpoint) as tensors:
-        for prefix, parent in list(module.named_modules()):
-            for attr, child in list(parent.named_children()):
-                name = f"{prefix}.{attr}" if prefix else attr
-                weight = name + ".weight"
-                if not isinstance(child, nn.Linear) or weight not in quantized or weight in unused:
-                    continue
-                info = quantized[weight]
-                parts = quantize_weight(tensors.read(weight), scheme)
-                packed, scale = parts[""], parts["_scale"]
-                if info["kind"] == "int4":
-                    q = (np.stack([packed & 15, packed >> 4], axis=-1).reshape(scale.shape + (-1,)).astype(np.int8)
-                         - np.int8(8))
-                else:
-                    q = packed
-                del parts, packed
-                bias = None
-                if child.bias is not None:
-                    bias = nn.Parameter(_torch_of(tensors.read(name + ".bias")).to(torch.float32),
-                                        requires_grad=False)
-                setattr(parent, attr, Dequantising(torch.from_numpy(np.ascontiguousarray(q)),
-                                                   torch.from_numpy(scale), bias))
-        values = {}
-        for name, tensor in module.state_dict(keep_vars=True).items():
-            if tensor.is_meta and name not in unused:
-                values[name] = _torch_of(tensors.read(name)).to(tensor.dtype)
-        module.load_state_dict(values, strict=False, assign=True)
-    missing = [n for n, t in module.state_dict(keep_vars=True).items() if t.is_meta and n not in unused]
-    assert not missing, missing[:5]
-    return module, spec
+    return project(load_manifest(manifest), "export")
 
 
 def run_eager(args: dict) -> dict:
@@ -205,12 +135,14 @@ def run_eager(args: dict) -> dict:
 
     from dsa.core.fileio import read_json
     from dsa.runtime.policy import read_module_index
+    from dsa.tools.testing import quantised_eager_policy
 
     record = read_json(args["record"])
     index = read_module_index(Path(args["index"]))
     bucket_record = read_json(Path(args["index"]).parent / index["modules"][0]["record"])
     start = time.monotonic()
-    module, spec = quantised_eager(Path(args["manifest"]), record, Path(args["checkpoint"]))
+    module, spec = quantised_eager_policy(_export_view(Path(args["manifest"])), record, Path(args["checkpoint"]),
+                                          {"prompt_len": 16})
     load_s = time.monotonic() - start
     out, calls = {}, []
     for i, obs in enumerate(observations(bucket_record)):

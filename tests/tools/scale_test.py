@@ -424,6 +424,46 @@ def test_a_real_run_on_a_tiny_manifest(tmp_path):
     assert (tmp_path / "docs" / "real-size.md").read_text() == before
 
 
+def test_the_eager_weights_of_a_quantised_model_are_its_integers_and_scales_not_float32():
+    """A weight-quantised subject's eager reference holds one byte per quantised weight and a float32 scale per
+    group (dsa.tools.testing.quantised_eager_policy), float32 for the rest: OpenVLA-7B's 7.5B weights fit in
+    ~10 GiB that way, not the 30 GB of float32 that skipped its eager column."""
+    record = {"quantization": {"scheme": {"kind": "int4", "group_size": 32},
+                               "tensors": {"a.weight": {"kind": "int4", "group_size": 32, "shape": [64, 128]},
+                                           "b.weight": {"kind": "int4", "group_size": 32, "shape": [32, 64]}}}}
+    quantised = 64 * 128 + 32 * 64
+    assert scale.eager_weight_bytes(record, quantised + 100) == quantised + 4 * quantised // 32 + 4 * 100
+    assert scale.eager_weight_bytes({}, 1000) == 4000
+
+
+def test_a_quantised_subject_is_compared_with_eager_on_the_same_quantised_weights(tmp_path):
+    """An int4 subject (OpenVLA-7B's kind): its eager column comes from the quantised reference, so the
+    runtime's deviation from it is float32 reduction order (measured ~1e-7 here), not the quantisation error
+    (~1e-1 against the float32 model, what the column showed before)."""
+    from dsa.core.fileio import read_json
+    from dsa.runtime.host import runs_here
+
+    manifest = tmp_path / "tinyq.yaml"
+    manifest.write_text(yaml.safe_dump({
+        "schema_version": "1.3.0", "model_id": "tinyq", "framework": "pytorch",
+        "model": {"entry_point": "tiny_models:mlp", "config": {}},
+        "checkpoint": {"path": "checkpoint.safetensors", "sha256": "0" * 64},
+        "inputs": {"state": {"dim": 3}, "cameras": []},
+        "outputs": {"action": {"dim": 2}}, "chunk_size": 1, "n_action_steps": 1, "flow_steps": 1,
+        "buckets": {}, "quant_scheme": {"kind": "int4", "group_size": 32}, "targets": ["x86_64-v3"],
+        "power_profile": "balanced"}))
+    (tmp_path / "RESULTS.md").write_text(RESULTS)
+    scale.main([str(manifest), "--root", str(ROOT), "--pythonpath", str(HERE), "--no-lock",
+                "--work", str(tmp_path / "work"), "--out-dir", str(tmp_path / "docs"),
+                "--results", str(tmp_path / "RESULTS.md"), "--runs", "1", "--max-scratch-gb", "1"])
+    (entry,) = read_json(tmp_path / "docs" / "real-size.json")["subjects"]
+    assert entry["eager"]["runs"] == 1, entry["eager"]
+    runtime = entry["runtime"]["x86_64-v3"]
+    if not runs_here(read_json(ROOT / "toolchains" / "targets" / "x86_64-v3.json")):
+        pytest.skip("x86-64-v3 modules do not run on this CPU")
+    assert runtime["error_vs_eager"] < 1e-5, runtime
+
+
 def test_a_subject_over_the_scratch_limit_is_refused_before_its_stand_in(tmp_path):
     manifest = tmp_path / "tiny.yaml"
     manifest.write_text(yaml.safe_dump({
