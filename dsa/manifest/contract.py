@@ -75,6 +75,13 @@ _MAX_VALUES = 100_000
 # A manifest is a few kilobytes; a larger file is refused by its size, before it is read or parsed (a 10 MB YAML
 # document takes minutes and gigabytes to parse).
 MAX_MANIFEST_BYTES = 1 << 20
+# model.config holds an entry point's hyper-parameters (a few hundred bytes in every manifest here): its JSON
+# form, its nesting and its integers are bounded, so that a config is data of that kind and not a payload.
+# What a config *implies* (the layers and widths it asks for) is bounded where the model is built
+# (dsa.stages.export: MAX_MODEL_PARAMETER_TENSORS, MAX_MODEL_ELEMENTS).
+MAX_MODEL_CONFIG_BYTES = 64 << 10
+MAX_MODEL_CONFIG_DEPTH = 8
+MAX_MODEL_CONFIG_INT = 1 << 53
 _SEMVER = re.compile(SCHEMA["properties"]["schema_version"]["pattern"])
 
 PathLike = Union[str, os.PathLike]
@@ -437,6 +444,33 @@ def _strip_extensions(value: Any) -> Any:
     return value
 
 
+def _model_config_problems(config: Any) -> Iterator[Tuple[FieldPath, str, str]]:
+    """model.config's bounds (MAX_MODEL_CONFIG_*): the first value past one, by field."""
+    hint = ("model.config holds the entry point's hyper-parameters; data the model needs belongs in the "
+            "checkpoint or a file it reads")
+    size = len(json.dumps(config, allow_nan=True))
+    if size > MAX_MODEL_CONFIG_BYTES:
+        yield (("model", "config"), f"is {size} bytes as JSON, over the {MAX_MODEL_CONFIG_BYTES}-byte limit", hint)
+        return
+    stack: List[Tuple[FieldPath, Any]] = [(("model", "config"), config)]
+    while stack:
+        path, value = stack.pop()
+        depth = len(path) - 2
+        if isinstance(value, (dict, list)) and depth >= MAX_MODEL_CONFIG_DEPTH:
+            yield (path, f"nests deeper than the {MAX_MODEL_CONFIG_DEPTH} levels model.config may have", hint)
+            return
+        if isinstance(value, dict):
+            stack.extend((path + (key,), item) for key, item in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend((path + (i,), item) for i, item in reversed(list(enumerate(value))))
+        elif isinstance(value, float) and not math.isfinite(value):
+            yield (path, f"{value} is not a finite number", "give the hyper-parameter a finite value")
+            return
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_MODEL_CONFIG_INT:
+            yield (path, f"{_show(value)} is beyond ±2^53, larger than any hyper-parameter", hint)
+            return
+
+
 def _semantic_problems(
     manifest: Mapping[str, Any],
     known_targets: Optional[Iterable[str]],
@@ -467,6 +501,8 @@ def _semantic_problems(
                    f"model.file is read only for frameworks {', '.join(repr(f) for f in FILE_FRAMEWORKS)} "
                    f"(this manifest's: '{framework}' builds the model from model.entry_point)",
                    "remove model.file, or set the framework of the file")
+    if "config" in model:
+        yield from _model_config_problems(model["config"])
     if manifest["framework"] == "lerobot" and "policy_config" not in model:
         yield (
             ("model",),

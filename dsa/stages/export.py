@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from dsa.stages import importer_fixes
 from dsa.core.determinism import pin_math_libraries
@@ -36,7 +36,7 @@ from dsa.core.formats import RECORD_FORMAT, ExportRecord
 from dsa.stages.precision import apply_precision
 from dsa.stages.quant import quantize_module, scale_name
 from dsa.stages.spec import DTYPE_NAMES, ExportSpec, InputSpec
-from dsa.stages.weightless import as_fake, without_weights
+from dsa.stages.weightless import Budget, ModelTooLarge, as_fake, without_weights
 
 PARAMETER_SCOPE = "model"
 # Frameworks whose model is a file imported as it is (the manifest's model.file; dsa.manifest.contract
@@ -46,6 +46,14 @@ FILE_FRAMEWORKS = ("onnx", "stablehlo")
 DYNAMIC_DIM_MAX = 65536
 # Seed of the example inputs used for tracing (values never reach the artifact, only shapes do).
 EXAMPLE_SEED = 0
+# What building a model (without its weights) may register: the largest policies built here (OpenVLA-7B:
+# 7.5e9 elements in 1,337 tensors) are far below both. A config that asks for more (a million
+# layers, a width of a million) is refused as the parameters are registered, naming the config, instead of
+# allocating until the machine runs out of memory.
+MAX_MODEL_PARAMETER_TENSORS = 20_000
+MAX_MODEL_ELEMENTS = 1 << 37
+# A LeRobot policy's config.json is a few kilobytes.
+MAX_POLICY_CONFIG_BYTES = 1 << 20
 
 
 def load_entry_point(entry_point: str, pythonpath: Sequence[str] = ()):
@@ -327,6 +335,10 @@ def load_policy_config(view: dict, path: Optional[Union[str, Path]], manifest_na
     path = Path(path)
     if not path.is_file():
         raise DsaError(where, f"no such file: {path}", "point model.policy_config.path at the policy's config.json")
+    size = path.stat().st_size
+    if size > MAX_POLICY_CONFIG_BYTES:
+        raise DsaError(where, f"{path} is {size} bytes, over the {MAX_POLICY_CONFIG_BYTES}-byte limit of a policy "
+                       "config", "point model.policy_config.path at the policy's config.json")
     digest = sha256_file(path)
     if digest != pinned["sha256"]:
         raise DsaError(
@@ -336,6 +348,54 @@ def load_policy_config(view: dict, path: Optional[Union[str, Path]], manifest_na
         )
     view = dict(view, model=dict(view["model"], pretrained_config=read_json(path)))
     return view
+
+
+def _largest_values(config: Any, count: int = 3) -> str:
+    """The largest numbers of a config, as `field=value` (what to look at when a model is too large)."""
+    found: List[Tuple[float, str]] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, bool):
+            return
+        if isinstance(value, (int, float)):
+            found.append((abs(value), f"{path}={value}"))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}.{key}" if path else str(key))
+        elif isinstance(value, list):
+            for i, item in enumerate(value[:1000]):
+                walk(item, f"{path}[{i}]")
+
+    walk(config, "")
+    found.sort(key=lambda pair: -pair[0])
+    return ", ".join(text for _, text in found[:count]) or "no numbers"
+
+
+@contextlib.contextmanager
+def building_model(view: dict, manifest_name: str) -> Iterator[None]:
+    """Builds the model inside: without its weights, within the budget (MAX_MODEL_PARAMETER_TENSORS,
+    MAX_MODEL_ELEMENTS), and with an allocation that cannot be met refused as the config's fault, naming it,
+    not reported as an unexpected error."""
+    lerobot = view.get("framework") == "lerobot"
+    field = "model.policy_config" if lerobot else "model.config"
+    config = view["model"].get("pretrained_config") if lerobot else view["model"].get("config")
+    where = f"{manifest_name}: {field}"
+    hint = (f"check {field} (its largest values: {_largest_values(config)}); the limits are those of "
+            f"dsa.stages.export (MAX_MODEL_PARAMETER_TENSORS, MAX_MODEL_ELEMENTS)")
+    try:
+        with without_weights(Budget(MAX_MODEL_PARAMETER_TENSORS, MAX_MODEL_ELEMENTS)):
+            yield
+    except ModelTooLarge as e:
+        raise DsaError(where, f"the model it describes is larger than any policy this rule set builds: {e}",
+                       hint) from None
+    except (MemoryError, RuntimeError) as e:
+        text = str(e)
+        if not isinstance(e, MemoryError) and "can't allocate memory" not in text and "not enough memory" not in text:
+            raise
+        tried = re.search(r"allocate (\d+) bytes", text)
+        amount = f" ({int(tried.group(1)) / 2**30:,.1f} GiB at once)" if tried else ""
+        raise DsaError(where, f"building the model it describes needs more memory than this process can have"
+                       f"{amount}", hint) from None
 
 
 def rewrite_names(view: dict) -> List[str]:
@@ -370,7 +430,9 @@ def trace_model(
 
     # A first call at a nominal size tells us the model's dynamic dims and their minimums. Both calls build the
     # model without its weights (dsa.stages.weightless): the export never needs their values.
-    building = without_weights if weightless else contextlib.nullcontext
+    def building():
+        return building_model(view, manifest_name) if weightless else contextlib.nullcontext()
+
     with building():
         probe = entry(view, NominalDims())
     minimums = dict(probe.dim_minimums)

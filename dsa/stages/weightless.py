@@ -30,9 +30,37 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Optional
 
 _STATE = threading.local()
+
+
+class ModelTooLarge(ValueError):
+    """A model being built without its weights registered more parameters (or elements) than its budget
+    allows (`without_weights(budget=...)`): its config asks for more than any policy this rule set builds."""
+
+    def __init__(self, what: str, count: int, limit: int, name: str):
+        super().__init__(f"{what}: {count:,} registered (at {name}), the limit is {limit:,}")
+        self.what, self.count, self.limit, self.name = what, count, limit, name
+
+
+class Budget:
+    """What a model may register while it is built without weights: parameter tensors and their elements.
+    Counted as parameters are registered, so a config asking for a million layers is stopped after the
+    first `max_tensors`, in a fraction of a second, not when the machine runs out of memory."""
+
+    def __init__(self, max_tensors: int, max_elements: int):
+        self.max_tensors, self.max_elements = max_tensors, max_elements
+        self.tensors = self.elements = 0
+
+    def add(self, module, name: str, param) -> None:
+        self.tensors += 1
+        self.elements += int(param.numel())
+        where = f"{type(module).__name__}.{name}"
+        if self.tensors > self.max_tensors:
+            raise ModelTooLarge("parameter tensors", self.tensors, self.max_tensors, where)
+        if self.elements > self.max_elements:
+            raise ModelTooLarge("parameter elements", self.elements, self.max_elements, where)
 
 
 def is_weightless(tensor) -> bool:
@@ -49,8 +77,9 @@ def building_without_weights() -> bool:
 
 
 @contextlib.contextmanager
-def without_weights() -> Iterator[None]:
-    """Modules built in this context register their parameters on the meta device (see the module doc)."""
+def without_weights(budget: Optional[Budget] = None) -> Iterator[None]:
+    """Modules built in this context register their parameters on the meta device (see the module doc).
+    `budget` (the outermost context's counts): ModelTooLarge once the parameters registered exceed it."""
     import torch
     from torch import nn
 
@@ -61,6 +90,9 @@ def without_weights() -> Iterator[None]:
         param = module._parameters.get(name)
         if param is not None and not param.is_meta:
             module._parameters[name] = _on_meta(param)
+        counting = getattr(_STATE, "budget", None)
+        if param is not None and counting is not None:
+            counting.add(module, name, param)
 
     original_apply = nn.Module._apply
 
@@ -81,6 +113,7 @@ def without_weights() -> Iterator[None]:
     if outermost:
         nn.Module.register_parameter = register_parameter
         nn.Module._apply = _apply
+        _STATE.budget = budget
     try:
         with _MetaPropagation() if outermost else contextlib.nullcontext():
             yield
@@ -89,6 +122,7 @@ def without_weights() -> Iterator[None]:
         if _STATE.depth == 0:
             nn.Module.register_parameter = original
             nn.Module._apply = original_apply
+            _STATE.budget = None
 
 
 def _meta_propagation_class():

@@ -368,3 +368,24 @@ def test_a_fifo_or_device_manifest_is_refused_without_blocking(tmp_path):
                                 capture_output=True, text=True, timeout=60,
                                 env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(PACKAGE_ROOT)] + sys.path)))
         assert result.returncode == 2 and "not a regular file" in result.stderr, result.stderr
+
+
+def test_a_model_config_over_its_size_limit_is_refused_naming_it(tmp_path):
+    """model.config is hyper-parameters (MAX_MODEL_CONFIG_BYTES): a 100 KB list in it is refused by `validate`,
+    naming the field and the limit, though the manifest is within its own size cap."""
+    from dsa.manifest.contract import MAX_MODEL_CONFIG_BYTES
+
+    big = tmp_path / "big_config.yaml"
+    big.write_text(PI0.read_text().replace("    expert_depth: 3\n", "    expert_depth: 3\n    table: ["
+                                           + ", ".join(["12345"] * 20_000) + "]\n", 1))
+    assert big.stat().st_size < MAX_MANIFEST_BYTES
+    result = run_cli("validate", big)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"model.config: is {len(json.dumps(_config_of(big)))} bytes as JSON, over the " \
+           f"{MAX_MODEL_CONFIG_BYTES}-byte limit" in result.stderr, result.stderr
+
+
+def _config_of(path):
+    import yaml
+
+    return yaml.safe_load(path.read_text())["model"]["config"]

@@ -161,3 +161,54 @@ def test_export_peak_memory_does_not_grow_with_the_parameter_count(pi0_view, tmp
     # Built with its weights, the same export holds them all: the measurement sees it.
     real_kib, _ = _peak_kib(big, tmp_path, weightless=False)
     assert real_kib - small_kib > 1.5 * 2**20, (small_kib, real_kib)
+
+
+# -- a config asking for more than any policy: refused as the model is built, naming the config -----------------
+@pytest.mark.parametrize("change, needle", [
+    ({"depth": 1_000_000}, "parameter tensors: 20,001 registered"),      # a million layers: counted, stopped
+    ({"width": 1_000_000}, "needs more memory than this process can have"),  # one 4 TB weight: not allocatable
+])
+def test_a_config_asking_for_more_than_any_policy_is_refused_naming_model_config(pi0_view, tmp_path, change,
+                                                                                 needle):
+    """π0's own entry point with one hyper-parameter made absurd: refused in seconds, within 1 GiB more than the
+    process holds, with one line naming model.config and its largest value, and nothing written."""
+    import time
+
+    from dsa.core.errors import DsaError
+    from dsa.tools.testing import bounded_memory
+
+    view = copy.deepcopy(pi0_view)
+    view["model"]["config"].update(change)
+    start = time.monotonic()
+    with bounded_memory(), pytest.raises(DsaError) as info:
+        export_model(view, tmp_path / "model.mlir", tmp_path / "record.json", manifest_name="pi0.yaml",
+                     pythonpath=[str(runfile("models/pi0/pi0.py").parents[2])])
+    text = str(info.value)
+    assert "\n" not in text and text.startswith("pi0.yaml: model.config: ") and needle in text, text
+    (field, value), = change.items()
+    assert f"{field}={value}" in text, text
+    assert time.monotonic() - start < 30, text  # generous: seconds on every machine measured
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_parameter_budget_counts_what_is_registered_and_resets():
+    from dsa.stages.weightless import Budget, ModelTooLarge
+
+    with pytest.raises(ModelTooLarge, match=r"parameter elements: 104 registered \(at Linear.weight\), the limit is 64"):
+        with without_weights(Budget(100, 64)):
+            nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8))
+    with without_weights():  # no budget: the same model builds, and the last budget is gone
+        nn.Sequential(*[nn.Linear(8, 8) for _ in range(200)])
+
+
+def test_a_policy_config_over_its_size_limit_is_refused_before_it_is_read(tmp_path):
+    """A LeRobot policy's config.json is a few kilobytes: a 2 MiB one is refused by its size (before its digest
+    is even computed), naming model.policy_config and the limit."""
+    from dsa.core.errors import DsaError
+    from dsa.stages.export import MAX_POLICY_CONFIG_BYTES, load_policy_config
+
+    config = tmp_path / "config.json"
+    config.write_text('{"type": "pi0", "pad": "' + "x" * (2 << 20) + '"}')
+    view = {"framework": "lerobot", "model": {"policy_config": {"path": "config.json", "sha256": "0" * 64}}}
+    with pytest.raises(DsaError, match=f"m.yaml: model.policy_config: .* over the {MAX_POLICY_CONFIG_BYTES}-byte"):
+        load_policy_config(view, config, "m.yaml")
