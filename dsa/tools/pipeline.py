@@ -311,8 +311,10 @@ def manifest_file(manifest_path: Path, relative: str, field: str, hint: str) -> 
     """A file a manifest names relative to itself: a relative path that stays inside the manifest's directory
     (no absolute path, no `..` out of it) to a regular file, so a manifest cannot make the build read
     /etc/shadow, block on a FIFO or read /dev/zero forever. A file elsewhere is passed explicitly
-    (--checkpoint, --policy-config, or the Bazel rule's label). A symlink placed inside the directory is the
-    user's own choice and is followed."""
+    (--checkpoint, --policy-config, or the Bazel rule's label). The check holds after symlinks are resolved: a
+    symlink (or a symlinked directory) on the way is followed only where it ends inside the manifest's directory
+    (itself resolved), so a link planted beside the manifest cannot reach a file elsewhere; a file you keep
+    elsewhere on purpose is passed by its own flag."""
     where = f"{manifest_path}: {field}"
     normal = os.path.normpath(relative)
     if os.path.isabs(relative) or normal == ".." or normal.startswith(".." + os.sep):
@@ -321,6 +323,11 @@ def manifest_file(manifest_path: Path, relative: str, field: str, hint: str) -> 
     path = manifest_path.parent / normal
     if not path.exists():
         raise DsaError(where, f"no file at {path}", hint)
+    home = os.path.realpath(manifest_path.parent)
+    real = os.path.realpath(path)
+    if os.path.commonpath([home, real]) != home:
+        raise DsaError(where, f"{path} is a symlink to {real}, outside the manifest's directory {home}",
+                       f"a file elsewhere is named by its own flag: {hint}")
     if not path.is_file():
         raise DsaError(where, f"{path} is not a regular file", hint)
     return path

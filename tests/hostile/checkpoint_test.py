@@ -82,11 +82,46 @@ def _device(policy_dir):
     (policy_dir / "weights.safetensors").symlink_to("/dev/zero")  # reading it never ends
 
 
-@pytest.mark.parametrize("make", [_directory, _fifo, _device], ids=["directory", "fifo", "device"])
-def test_a_checkpoint_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, policy_dir, make):
+@pytest.mark.parametrize("make, needle", [
+    (_directory, "is not a regular file"),
+    (_fifo, "is not a regular file"),
+    (_device, "is a symlink to /dev/zero, outside the manifest's directory"),  # refused before it is opened
+], ids=["directory", "fifo", "device"])
+def test_a_checkpoint_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, policy_dir, make, needle):
     make(policy_dir)
-    refused(_compile(tmp_path, _manifest(policy_dir, "weights.safetensors")), "is not a regular file")
+    refused(_compile(tmp_path, _manifest(policy_dir, "weights.safetensors")), needle)
     assert not (tmp_path / "out").exists()
+
+
+def _link_to_outside_file(tmp_path, policy_dir):
+    (tmp_path / "elsewhere.safetensors").write_bytes(CHECKPOINT.read_bytes())
+    (policy_dir / "weights.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    return "weights.safetensors"
+
+
+def _link_to_outside_directory(tmp_path, policy_dir):
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "weights.safetensors").write_bytes(CHECKPOINT.read_bytes())
+    (policy_dir / "store").symlink_to(tmp_path / "store", target_is_directory=True)
+    return "store/weights.safetensors"
+
+
+@pytest.mark.parametrize("make", [_link_to_outside_file, _link_to_outside_directory], ids=["file", "directory"])
+def test_a_symlink_beside_the_manifest_cannot_reach_a_checkpoint_outside_its_directory(tmp_path, policy_dir, make):
+    """The path's text stays inside the manifest's directory, its target does not: refused after resolving the
+    link, before the file is read (the pinned digest is the real one, so only the link is wrong)."""
+    relative = make(tmp_path, policy_dir)
+    line = refused(_compile(tmp_path, _manifest(policy_dir, relative, sha256_file(CHECKPOINT))),
+                   "outside the manifest's directory")
+    assert "checkpoint.path" in line and "--checkpoint FILE" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_symlink_that_stays_inside_the_manifest_directory_is_followed(tmp_path, policy_dir):
+    (policy_dir / "v1.safetensors").write_bytes(CHECKPOINT.read_bytes())
+    (policy_dir / "weights.safetensors").symlink_to("v1.safetensors")
+    proc = _compile(tmp_path, _manifest(policy_dir, "weights.safetensors", sha256_file(CHECKPOINT)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def _nan(tensors):
