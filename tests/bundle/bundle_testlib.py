@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 from dsa.runtime import bundle as B
 from dsa.core.fileio import canonical_json, read_json, sha256_file
@@ -19,6 +19,28 @@ MODULES = ["prompt_len_0", "prompt_len_1", "prompt_len_2"]
 BUILT = "models/pi0_bundle.tar"
 # The directory that holds the dsa package, for CLI subprocesses.
 PACKAGE_ROOT = Path(B.__file__).resolve().parents[2]
+
+
+def rebundle_pipeline(work: Path, out: Path, manifest_source: str, processors: Sequence[Path]) -> Path:
+    """A pipeline bundle made again by the bundle tool (what DsaBundle runs) from its extracted files in `work`
+    after a test changed some of them (and, if it chose to, the manifest's pins): the runtime view and the
+    lock follow the manifest as it now is, so only what the test changed differs from an honest build."""
+    from dsa.manifest.contract import dump_json, load_manifest, project
+
+    dump_json(project(load_manifest(work / B.MANIFEST_YAML), "runtime"), work / B.RUNTIME_VIEW_JSON)
+    lock = read_json(work / B.LOCK_JSON)
+    lock["manifest"]["sha256"] = sha256_file(work / B.MANIFEST_YAML)
+    lock["views"]["runtime"] = sha256_file(work / B.RUNTIME_VIEW_JSON)
+    (work / B.LOCK_JSON).write_text(canonical_json(lock), encoding="utf-8")
+    modules = sorted(m["name"] for m in lock["modules"])
+    B.create_bundle(out, lock=work / B.LOCK_JSON, manifest=work / B.MANIFEST_YAML,
+                    runtime_view=work / B.RUNTIME_VIEW_JSON, target_spec=work / B.TARGET_SPEC_JSON,
+                    params=work / B.PARAMS_IRPA,
+                    modules=[B.ModuleInput(m, work / f"{m}.vmfb", work / f"{m}.export_record.json",
+                                           work / f"{m}.compile_report.json") for m in modules],
+                    manifest_source=manifest_source, processors=list(processors),
+                    policy_config=work / "policy_config.json")
+    return out
 
 
 def built_inputs() -> Dict[str, object]:

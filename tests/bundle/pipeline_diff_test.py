@@ -7,18 +7,24 @@ does not pin, naming the field."""
 from __future__ import annotations
 
 import shutil
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
 from dsa.core.errors import DsaError
-from dsa.core.fileio import canonical_json, read_json, sha256_file
-from dsa.manifest.contract import dump_json, load_manifest, project
+from dsa.core.fileio import sha256_file
+from dsa.manifest.contract import load_manifest, project
 from dsa.runtime import bundle as B
 from dsa.runtime.processors import read_safetensors
 from dsa.tools.diff import diff_bundles, format_text
 from dsa.tools.testing import runfile
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # bundle_testlib sits beside the tests
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bundle_testlib import rebundle_pipeline  # noqa: E402
 
 BUNDLE = runfile("models/act_pipeline_bundle.tar")
 PRE_STATS = "policy_preprocessor_step_3_normalizer_processor.safetensors"
@@ -40,23 +46,9 @@ def _rebuild(opened, tmp, new_stats, *, pin=True):
         assert manifest_text.count(old_sha) == 2
         manifest_text = manifest_text.replace(old_sha, sha256_file(work / PRE_STATS))
     (work / B.MANIFEST_YAML).write_text(manifest_text, encoding="utf-8")
-    manifest = load_manifest(work / B.MANIFEST_YAML)
-    dump_json(project(manifest, "runtime"), work / B.RUNTIME_VIEW_JSON)
-    lock = read_json(work / B.LOCK_JSON)
-    lock["manifest"]["sha256"] = sha256_file(work / B.MANIFEST_YAML)
-    lock["views"]["runtime"] = sha256_file(work / B.RUNTIME_VIEW_JSON)
-    (work / B.LOCK_JSON).write_text(canonical_json(lock), encoding="utf-8")
-    modules = sorted(m["name"] for m in lock["modules"])
-    out = tmp / "act_pipeline_bundle.tar"
     processors = [work / n for n in ("policy_preprocessor.json", "policy_postprocessor.json", PRE_STATS, POST_STATS)]
-    B.create_bundle(out, lock=work / B.LOCK_JSON, manifest=work / B.MANIFEST_YAML,
-                    runtime_view=work / B.RUNTIME_VIEW_JSON, target_spec=work / B.TARGET_SPEC_JSON,
-                    params=work / B.PARAMS_IRPA,
-                    modules=[B.ModuleInput(m, work / f"{m}.vmfb", work / f"{m}.export_record.json",
-                                           work / f"{m}.compile_report.json") for m in modules],
-                    manifest_source=opened.meta["manifest_source"], processors=processors,
-                    policy_config=work / "policy_config.json")
-    return out, manifest
+    out = rebundle_pipeline(work, tmp / "act_pipeline_bundle.tar", opened.meta["manifest_source"], processors)
+    return out, load_manifest(work / B.MANIFEST_YAML)
 
 
 @pytest.fixture(scope="module")

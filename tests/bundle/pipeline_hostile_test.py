@@ -645,8 +645,11 @@ def test_a_forged_bundle_is_refused_by_the_python_api_and_leaves_nothing_behind(
 def _rebuild(tmp_path: Path, change: Callable[[Path], None]) -> Path:
     """The honest path: the ACT pipeline bundle's own files, `change`d, with the manifest's pins, the runtime view
     and the lock following them, made into a bundle by the bundle tool (what DsaBundle runs)."""
-    from dsa.core.fileio import read_json, sha256_file
-    from dsa.manifest.contract import dump_json, load_manifest, project
+    from dsa.core.fileio import sha256_file
+
+    if str(Path(__file__).resolve().parent) not in sys.path:  # bundle_testlib sits beside the tests
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bundle_testlib import rebundle_pipeline
 
     with B.open_bundle(ACT_BUNDLE) as opened:
         work = tmp_path / "files"
@@ -659,21 +662,8 @@ def _rebuild(tmp_path: Path, change: Callable[[Path], None]) -> Path:
         if path.name in before and before[path.name] != sha256_file(path):
             text = text.replace(before[path.name], sha256_file(path))
     (work / B.MANIFEST_YAML).write_text(text, encoding="utf-8")
-    dump_json(project(load_manifest(work / B.MANIFEST_YAML), "runtime"), work / B.RUNTIME_VIEW_JSON)
-    lock = read_json(work / B.LOCK_JSON)
-    lock["manifest"]["sha256"] = sha256_file(work / B.MANIFEST_YAML)
-    lock["views"]["runtime"] = sha256_file(work / B.RUNTIME_VIEW_JSON)
-    (work / B.LOCK_JSON).write_text(canonical_json(lock), encoding="utf-8")
-    modules = sorted(m["name"] for m in lock["modules"])
-    out = tmp_path / "act_pipeline_bundle.tar"
     processors = [p for p in work.iterdir() if p.name.startswith("policy_p") and p.name != POLICY_PIPELINE_JSON]
-    B.create_bundle(out, lock=work / B.LOCK_JSON, manifest=work / B.MANIFEST_YAML,
-                    runtime_view=work / B.RUNTIME_VIEW_JSON, target_spec=work / B.TARGET_SPEC_JSON,
-                    params=work / B.PARAMS_IRPA,
-                    modules=[B.ModuleInput(m, work / f"{m}.vmfb", work / f"{m}.export_record.json",
-                                           work / f"{m}.compile_report.json") for m in modules],
-                    manifest_source=source, processors=processors, policy_config=work / "policy_config.json")
-    return out
+    return rebundle_pipeline(work, tmp_path / "act_pipeline_bundle.tar", source, processors)
 
 
 def test_the_bundle_tool_builds_the_unchanged_files(tmp_path):
