@@ -444,6 +444,28 @@ def _strip_extensions(value: Any) -> Any:
     return value
 
 
+# Entry points of the rule set's own front ends that moved when the package was layered (dsa/lerobot.py became
+# dsa/frontends/lerobot): a 1.x manifest naming the old one stays valid (docs/manifest.md) and builds the same
+# model (dsa.stages.export.load_entry_point imports the current name); `validate` says which name replaced it.
+RENAMED_ENTRY_POINTS = {
+    "dsa.lerobot:export_spec": "dsa.frontends.lerobot:export_spec",
+}
+
+
+def current_entry_point(entry_point: str) -> str:
+    """The entry point as this release names it (RENAMED_ENTRY_POINTS), the given one if it was not renamed."""
+    return RENAMED_ENTRY_POINTS.get(entry_point, entry_point)
+
+
+def renamed_entry_point_note(manifest: Mapping[str, Any]) -> Optional[str]:
+    """What `validate` adds to "ok" for a manifest naming a renamed entry point."""
+    old = (manifest.get("model") or {}).get("entry_point")
+    if old in RENAMED_ENTRY_POINTS:
+        return (f"model.entry_point '{old}' is now named '{RENAMED_ENTRY_POINTS[old]}' (the same front end; "
+                "the old name keeps working, the new one is what to write)")
+    return None
+
+
 def _model_config_problems(config: Any) -> Iterator[Tuple[FieldPath, str, str]]:
     """model.config's bounds (MAX_MODEL_CONFIG_*): the first value past one, by field."""
     hint = ("model.config holds the entry point's hyper-parameters; data the model needs belongs in the "
@@ -881,6 +903,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
         if args.command == "validate":
             print(f"{args.manifest}: ok")
+            note = renamed_entry_point_note(manifest)
+            if note:
+                print(f"{args.manifest}: note: {note}", file=sys.stderr)
             return 0
         try:
             view = project(manifest, args.view, target=args.target, bucket=args.bucket)

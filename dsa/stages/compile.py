@@ -16,7 +16,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import atomic_output, read_json, sha256_file
@@ -141,8 +141,30 @@ def _compiler_version() -> str:
     return metadata.version("iree-base-compiler")
 
 
-def run_iree_compile(mlir: Path, flags: List[str], output: Path, where: str) -> str:
-    """Runs iree-compile; returns its stderr. Raises DsaError, naming the failing op, on failure."""
+# The families whose tuning raises the CPU stack-allocation limit (toolchains/tuning/README.md), for the hint of a
+# compile that exceeded it.
+STACK_TUNING_FAMILIES = ("LeRobot's ACT and Diffusion Policy (ResNet-18 backbones): resnet_policy; VLAs at "
+                         "their real size: flow_vla_full (SmolVLA), pi_full (PI0, PI0.5), groot_full, openvla_full")
+_STACK_LIMIT_FLAG = "--iree-llvmcpu-stack-allocation-limit="
+
+
+def stack_limit_hint(message: str, flags: Sequence[str], view: Optional[dict]) -> str:
+    """What to do when a dispatch needs more stack than the compile allows: the manifest field to set and the
+    families that raise the limit, with the bytes needed and allowed."""
+    needed = re.search(r"Got (\d+) bytes", message)
+    limit = next((f[len(_STACK_LIMIT_FLAG):] for f in reversed(list(flags)) if f.startswith(_STACK_LIMIT_FLAG)),
+                 None)
+    allowed = f"{limit} bytes (the tuning's limit)" if limit else "32768 bytes (IREE's default)"
+    family = (view or {}).get("tuning")
+    now = f"the manifest's tuning '{family}' allows" if family else "the manifest sets no tuning, so the compile allows"
+    return (f"a dispatch needs {needed.group(1) + ' bytes of' if needed else 'more'} stack; {now} {allowed}. Set "
+            f"the manifest's `tuning:` to a family whose tuning file for this target raises "
+            f"{_STACK_LIMIT_FLAG.rstrip('=')} ({STACK_TUNING_FAMILIES}; toolchains/tuning/README.md)")
+
+
+def run_iree_compile(mlir: Path, flags: List[str], output: Path, where: str, view: Optional[dict] = None) -> str:
+    """Runs iree-compile; returns its stderr. Raises DsaError, naming the failing op, on failure (and, for a
+    dispatch over the stack-allocation limit, the manifest field that fixes it: `view` is the compile view)."""
     proc = subprocess.run([iree_compile_path(), str(mlir), *flags, "-o", str(output)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
@@ -150,6 +172,8 @@ def run_iree_compile(mlir: Path, flags: List[str], output: Path, where: str) -> 
         hint = "see the compiler's message; run `iree-compile` with the same flags to reproduce"
         if "failed to legalize operation" in message:
             hint = "the model uses an op IREE cannot lower for this target: rewrite or decompose it"
+        elif "exceeded stack allocation limit" in message:
+            hint = stack_limit_hint(message, flags, view)
         raise DsaError(where, f"iree-compile failed: {message.strip()}", hint)
     return proc.stderr
 
@@ -170,7 +194,7 @@ def compile_module(
         stats_flags = ["--iree-scheduling-dump-statistics-format=json",
                        f"--iree-scheduling-dump-statistics-file={stats_path}"]
         with atomic_output(out_vmfb) as tmp_vmfb:
-            run_iree_compile(mlir, flags + stats_flags, tmp_vmfb, where)
+            run_iree_compile(mlir, flags + stats_flags, tmp_vmfb, where, view)
             stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
             vmfb_size = tmp_vmfb.stat().st_size
             vmfb_sha = sha256_file(tmp_vmfb)

@@ -36,6 +36,7 @@ from dsa.core.formats import RECORD_FORMAT, ExportRecord
 from dsa.stages.precision import apply_precision
 from dsa.stages.quant import quantize_module, scale_name
 from dsa.stages.spec import DTYPE_NAMES, ExportSpec, InputSpec
+from dsa.manifest.contract import current_entry_point
 from dsa.stages.weightless import Budget, ModelTooLarge, as_fake, without_weights
 
 PARAMETER_SCOPE = "model"
@@ -57,10 +58,12 @@ MAX_POLICY_CONFIG_BYTES = 1 << 20
 
 
 def load_entry_point(entry_point: str, pythonpath: Sequence[str] = ()):
-    """Imports `package.module:function`, with `pythonpath` appended to sys.path."""
+    """Imports `package.module:function`, with `pythonpath` appended to sys.path (a renamed front-end entry
+    point, RENAMED_ENTRY_POINTS, under its current name)."""
     for entry in pythonpath:
         if entry not in sys.path:
             sys.path.append(entry)
+    entry_point = current_entry_point(entry_point)
     module_name, _, function_name = entry_point.partition(":")
     if not module_name or not function_name:
         raise DsaError("model.entry_point", f"'{entry_point}' is not of the form package.module:function")
@@ -119,7 +122,7 @@ def model_source_files(entry_point: str, pythonpath: Sequence[str]) -> List[str]
     The Bazel rules pass the same set (the model's py_library sources without //dsa) to DsaExport."""
     import modulefinder
 
-    module_name = entry_point.partition(":")[0]
+    module_name = current_entry_point(entry_point).partition(":")[0]
     if module_name == "dsa" or module_name.startswith("dsa."):
         return []  # a front end of the rule set: recorded with the stage code, not as model sources
     finder = modulefinder.ModuleFinder(path=list(pythonpath))

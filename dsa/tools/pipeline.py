@@ -52,11 +52,16 @@ def run_pipeline(manifest_path: Path, out: Path, **options) -> List[Path]:
     """Builds every artifact of the manifest's model into `out`; returns the module index of each target (see
     build_into). Everything is written into a staging directory beside `out` and swapped into place only when
     the whole build succeeded: `out` is then either the earlier complete output or the new one, never a mix
-    that `dsa run --index` would run (a failed or interrupted build leaves the earlier output as it was)."""
+    that `dsa run --index` would run (a failed or interrupted build leaves the earlier output as it was).
+
+    A build that fails with a refusal (DsaError) keeps what it had staged in `<out>.failed/` (never read by a
+    build or by `dsa run`; replaced by the next failure, removed by the next success), and its message names
+    the files there: the MLIR an iree-compile error points into can be read, not a deleted staging path."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DsaError("--out", f"{out} is a file, not an output directory", "pass a directory path")
     out.parent.mkdir(parents=True, exist_ok=True)
+    failed = out.parent / f"{out.name}.failed"
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
     try:
         indexes = build_into(manifest_path, staging, **options)
@@ -67,10 +72,28 @@ def run_pipeline(manifest_path: Path, out: Path, **options) -> List[Path]:
         os.rename(staging, out)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(failed, ignore_errors=True)
+    except DsaError as e:
+        named = str(staging) in str(e) or os.path.relpath(staging) in str(e)
+        if named and (not failed.exists() or failed.is_dir()):
+            shutil.rmtree(failed, ignore_errors=True)
+            os.rename(staging, failed)
+            raise DsaError(*(_restaged(part, staging, failed) for part in (e.where, e.message, e.hint))) from None
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return [out / index.relative_to(staging) for index in indexes]
+
+
+def _restaged(text: Optional[str], staging: Path, failed: Path) -> Optional[str]:
+    """A message part with the staging directory's paths (absolute or relative) as those of `failed`."""
+    if text is None:
+        return None
+    for old, new in ((str(staging), str(failed)), (os.path.relpath(staging), os.path.relpath(failed))):
+        text = text.replace(old, new)
+    return text
 
 
 def build_into(

@@ -389,3 +389,13 @@ def _config_of(path):
     import yaml
 
     return yaml.safe_load(path.read_text())["model"]["config"]
+
+
+def test_a_1x_manifest_naming_a_renamed_entry_point_validates_and_says_the_new_name(tmp_path):
+    old = tmp_path / "act_1_2.yaml"
+    text = (PI0.parent / "act.yaml").read_text()
+    assert "entry_point: dsa.frontends.lerobot:export_spec" in text
+    old.write_text(text.replace("entry_point: dsa.frontends.lerobot:export_spec", "entry_point: dsa.lerobot:export_spec"))
+    result = run_cli("validate", old)
+    assert result.returncode == 0 and result.stdout == f"{old}: ok\n", result
+    assert "model.entry_point 'dsa.lerobot:export_spec' is now named 'dsa.frontends.lerobot:export_spec'" in result.stderr

@@ -52,6 +52,19 @@ def _observation(seed=0):
     return obs
 
 
+def test_the_runtime_classes_import_from_dsa_runtime_without_torch():
+    """`from dsa.runtime import CompiledPolicy` (what a user tries first) works, in this torch-free environment."""
+    from dsa.runtime import CompiledPolicy, DeployedPolicy, PolicyPipeline, ProcessorPipeline
+    from dsa.runtime.policy import CompiledPolicy as defined
+
+    assert CompiledPolicy is defined and {DeployedPolicy.__name__, PolicyPipeline.__name__,
+                                          ProcessorPipeline.__name__} == {"DeployedPolicy", "PolicyPipeline",
+                                                                          "ProcessorPipeline"}
+    assert "torch" not in sys.modules
+    with pytest.raises(ImportError):
+        from dsa.runtime import NoSuchThing  # noqa: F401
+
+
 def test_select_action_returns_the_chunk_one_action_per_step_and_runs_again_when_it_is_used_up():
     obs = _observation()
     with dsa.runtime.load(BUNDLE) as policy:

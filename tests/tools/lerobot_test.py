@@ -726,3 +726,12 @@ def test_smolvla_outputs_are_the_same_before_and_after_the_pi_patch(smolvla_dir)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     done = subprocess.run([sys.executable, "-c", script, str(smolvla_dir)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_entry_point_of_1x_manifests_still_loads_the_lerobot_front_end():
+    """A 1.x manifest names `dsa.lerobot:export_spec` (the front end before the package was layered): it loads
+    the current front end's function, not a refusal that leaves the user to guess the new name."""
+    from dsa.stages.export import load_entry_point, model_source_files
+
+    assert load_entry_point("dsa.lerobot:export_spec") is load_entry_point("dsa.frontends.lerobot:export_spec")
+    assert model_source_files("dsa.lerobot:export_spec", []) == []  # the rule set's own code, not model sources

@@ -120,3 +120,30 @@ def test_a_checkpoint_the_manifest_does_not_pin_is_refused_before_exporting(tmp_
                      pythonpath=[str(runfile("."))], requirements_lock=runfile("requirements_lock.txt"),
                      tuning_dir=TUNING)
     assert not (out / "model.mlir").exists() and not (out / "export_record.json").exists()
+
+
+def test_a_failed_compile_keeps_its_staged_files_in_out_failed_and_names_them(tmp_path):
+    """An iree-compile error points into the MLIR it compiled: that file is kept, in <out>.failed/ (not --out,
+    which stays as it was), and the message names it there instead of a staging path deleted on exit. The
+    next successful build removes <out>.failed."""
+    import json
+    import re
+
+    tuning_dir = tmp_path / "tuning"
+    tuning_dir.mkdir()
+    family = read_json(TUNING / "flow_vla.x86_64-v3.json")
+    (tuning_dir / "flow_vla.x86_64-v3.json").write_text(json.dumps(
+        dict(family, flags=["--iree-llvmcpu-stack-allocation-limit=1"])))  # every π0 module exceeds it
+    out = tmp_path / "out"
+    options = dict(targets_dir=TARGETS, checkpoint=runfile("models/pi0.safetensors"), targets=["x86_64-v3"],
+                   pythonpath=[str(runfile("."))], requirements_lock=runfile("requirements_lock.txt"))
+    with pytest.raises(DsaError) as info:
+        run_pipeline(runfile("manifests/pi0.yaml"), out, tuning_dir=tuning_dir, **options)
+    text = str(info.value)
+    assert "exceeded stack allocation limit" in text and "staging" not in text, text
+    named = re.search(r"(\S+\.mlir):\d+:\d+: error", text).group(1)
+    assert named.startswith(str(tmp_path / "out.failed")) and (tmp_path / named).is_file(), text
+    assert not out.exists()
+    run_pipeline(runfile("manifests/pi0.yaml"), out, tuning_dir=TUNING, **options)
+    assert out.is_dir() and not (tmp_path / "out.failed").exists()
+    assert not [p for p in tmp_path.iterdir() if ".staging-" in p.name]

@@ -128,3 +128,21 @@ def custom_op_without_decomposition(view, dims):
 def custom_op_with_decomposition(view, dims):
     return ExportSpec(module=SoftsignMlp(), inputs=[InputSpec("x", (2, 4), "float32")], outputs=["y"],
                       decompositions={torch.ops.dsa_tiny.softsign.default: lambda x: x / (1.0 + x.abs())})
+
+
+class StackHeavy(nn.Module):
+    """A layer norm and an MLP over 65 tokens (π0's prefix block at the repository's size): a dispatch of it puts
+    a partial tile on the stack, so a compile with a tiny stack-allocation limit fails as real policies do
+    without their tuning."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(128)
+        self.fc = nn.Linear(128, 512)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.fc(self.norm(x)), approximate="tanh")
+
+
+def stack_heavy(view, dims):
+    return ExportSpec(module=StackHeavy(), inputs=[InputSpec("x", (1, 65, 128), "float32")], outputs=["y"])

@@ -2,6 +2,7 @@
 naming the file and field, tensor or op at fault, and leaves no output behind."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -312,3 +313,22 @@ def test_module_index_is_written_and_read_only_through_its_class(tmp_path):
     path.write_text(json.dumps({k: v for k, v in data.items() if k != "runtime_view"}))
     with pytest.raises(DsaError, match="module index lacks runtime_view"):
         ModuleIndex.read(path)
+
+
+def test_a_dispatch_over_the_stack_limit_names_the_tuning_field_and_the_families_that_raise_it(exported, target_spec,
+                                                                                              tmp_path):
+    """iree-compile's `exceeded stack allocation limit` (an ACT compile without `tuning: resnet_policy`): the
+    refusal says the bytes needed and allowed, the manifest field to set and the families whose tuning raises
+    the limit, not only the compiler's line."""
+    export_view = dict(exported[0], model={"entry_point": "tiny_models:stack_heavy", "config": {}})
+    export_model(export_view, tmp_path / "s.mlir", tmp_path / "s.json")
+    view = {"model_id": "tiny", "quant_scheme": {"kind": "none"}, "target": target_spec["name"], "tuning": "f"}
+    tuning = {"format": 1, "family": "f", "target": target_spec["name"],
+              "flags": ["--iree-llvmcpu-stack-allocation-limit=1"]}
+    with pytest.raises(DsaError) as info:
+        compile_module(tmp_path / "s.mlir", view, target_spec, tmp_path / "m.vmfb", tuning=tuning)
+    text = str(info.value)
+    assert "exceeded stack allocation limit" in text and "\n" not in text
+    assert re.search(r"a dispatch needs \d+ bytes of stack; the manifest's tuning 'f' allows 1 bytes", text), text
+    assert "Set the manifest's `tuning:`" in text and "resnet_policy" in text and "pi_full" in text
+    assert list(tmp_path.glob("m.vmfb*")) == []
