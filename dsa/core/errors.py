@@ -24,8 +24,19 @@ class DsaError(Exception):
         return f"{text} ({self.hint})" if self.hint else text
 
 
+def missing_package(e: ModuleNotFoundError) -> Optional[str]:
+    """What to say when a command's Python lacks a package it needs (not a module of dsa itself), or None."""
+    if e.name is None or e.name.split(".")[0] == "dsa":
+        return None
+    return (f"needs the Python package '{e.name}', which {sys.executable} lacks (run it in the environment "
+            "installed from requirements_lock.txt (requirements_lerobot_lock.txt for LeRobot manifests and `dsa "
+            "lerobot`): DSA_PYTHON=ENV/bin/python3 bin/dsa ..., or `./bazelw run //:dsa -- ...`)")
+
+
 def describe_unexpected(e: BaseException) -> str:
     """One line for an error no check named: what kind it is, and what to do."""
+    if isinstance(e, ModuleNotFoundError) and missing_package(e):
+        return missing_package(e)
     if isinstance(e, MemoryError):
         return "out of memory: an input states a size larger than this machine can hold (check the sizes " \
                "the manifest, bundle or files give)"

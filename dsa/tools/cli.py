@@ -4,6 +4,10 @@
     dsa run --index NAME.modules.json ...   run a build's modules on an observation or a sample
     dsa compile --manifest M --out DIR      the whole pipeline: export, params, compile, lock
     dsa manifest validate|explain|project   check a manifest, say which stage each field affects, write a view
+    dsa lerobot init --config-file P.json --out-dir D
+                                            a LeRobot policy directory (config.json + model.safetensors) with
+                                            stand-in weights, to try a manifest before the real checkpoint
+                                            (LeRobot's environment: requirements_lerobot_lock.txt)
     dsa bundle create|verify|list|release   make, check, list or ship a release bundle
     dsa keygen KEY | dsa sign BUNDLE --key KEY.pem | dsa verify BUNDLE [--key KEY.pub.pem]
                                             sign a bundle (ed25519, DSSE) and check it and its signature
@@ -29,7 +33,7 @@ import runpy
 import sys
 from typing import Dict, List, Optional
 
-from dsa.core.errors import DsaError, run_cli
+from dsa.core.errors import DsaError, missing_package, run_cli
 
 # command → the module whose `__main__` it runs.
 COMMANDS: Dict[str, str] = {
@@ -39,6 +43,7 @@ COMMANDS: Dict[str, str] = {
     "verify": "dsa.runtime.signing",
     "compile": "dsa.tools.pipeline",
     "manifest": "dsa.manifest.contract",
+    "lerobot": "dsa.frontends.lerobot.cli",
     "bundle": "dsa.runtime.bundle",
     "diff": "dsa.tools.diff",
     "link": "dsa.stages.link",
@@ -83,12 +88,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         try:
             runpy.run_module(COMMANDS[command], run_name="__main__", alter_sys=True)
         except ModuleNotFoundError as e:
-            if e.name is None or e.name.split(".")[0] == "dsa":
+            if missing_package(e) is None:
                 raise
-            raise DsaError(f"dsa {command}", f"needs the Python package '{e.name}', which {sys.executable} "
-                           "lacks", "run it in the environment installed from requirements_lock.txt "
-                           "(requirements_lerobot_lock.txt for LeRobot manifests): DSA_PYTHON=ENV/bin/python3 "
-                           "bin/dsa ..., or `./bazelw run //:dsa -- ...`") from None
+            raise DsaError(f"dsa {command}", missing_package(e)) from None
 
     # Whatever the subcommand raises before (or outside) its own handler is one line and exit 2 as well.
     run_cli(run, "dsa")

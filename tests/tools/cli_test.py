@@ -32,8 +32,17 @@ def test_dsa_manifest_refuses_a_bad_manifest_without_traceback(tmp_path):
 def test_dsa_without_a_command_prints_usage():
     proc = _run(runfile("bin/dsa"))
     assert proc.returncode == 2 and "usage: dsa COMMAND" in proc.stderr
-    for command in ("run", "compile", "manifest", "bundle", "diff", "link", "profile", "bench", "execlog"):
+    for command in ("run", "compile", "manifest", "bundle", "diff", "link", "profile", "bench", "execlog", "lerobot"):
         assert f"dsa {command}" in proc.stderr, command
+    assert "dsa lerobot init --config-file" in proc.stderr  # writing a policy directory: found from the usage
+
+
+def test_dsa_lerobot_outside_the_lerobot_environment_says_which_environment_has_it(tmp_path):
+    """This test's environment is the main one (no LeRobot): `dsa lerobot init` names the package and the lock
+    of the environment that has it, in one line (it was an 'unexpected ModuleNotFoundError')."""
+    proc = _run(runfile("bin/dsa"), "lerobot", "init", "--type", "act", "--out-dir", tmp_path / "policy")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "needs the Python package 'lerobot'" in proc.stderr and "requirements_lerobot_lock.txt" in proc.stderr
 
 
 def test_dsa_refuses_an_unknown_command_naming_the_known_ones():

@@ -735,3 +735,38 @@ def test_the_entry_point_of_1x_manifests_still_loads_the_lerobot_front_end():
 
     assert load_entry_point("dsa.lerobot:export_spec") is load_entry_point("dsa.frontends.lerobot:export_spec")
     assert model_source_files("dsa.lerobot:export_spec", []) == []  # the rule set's own code, not model sources
+
+
+def test_dsa_lerobot_init_writes_a_policy_directory(tmp_path):
+    """The command `bin/dsa --help` shows (`dsa lerobot init`) is the rules' generator: config.json +
+    model.safetensors."""
+    from dsa.tools.testing import runfile
+
+    proc = subprocess.run([sys.executable, "-m", "dsa", "lerobot", "init", "--type", "act", "--config-json",
+                           json.dumps(SMALL_ACT), "--out-dir", str(tmp_path / "act")],
+                          capture_output=True, text=True, cwd=runfile("."),
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "act").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_verified_pi0_load_prints_nothing_and_a_failed_one_shows_lerobots_account(pi0_dir, tmp_path, capsys):
+    """PI0's from_pretrained prints its key remapping ("Could not remap state dict keys ...") even when the
+    load is complete: that chatter is held back when check_loaded verifies every tensor, and shown, with the
+    refusal, when it does not."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    lerobot.load_pretrained(pi0_dir)
+    assert capsys.readouterr().out == ""
+    broken = tmp_path / "broken"
+    shutil.copytree(pi0_dir, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    name = sorted(tensors)[0]
+    tensors[name] = torch.zeros_like(tensors[name]) + 1.0  # a tensor LeRobot loads but that is not the file's
+    tensors["not.a.policy.tensor"] = torch.zeros(1)
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(Exception):
+        lerobot.load_pretrained(broken)
+    assert capsys.readouterr().out != ""

@@ -43,9 +43,12 @@ only by the functions that need them.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, List, Mapping, Optional
@@ -301,9 +304,17 @@ def load_pretrained(policy_dir: Path):
     values["device"] = "cpu"
     module.no_download(values, where, force=True)
     cfg = module.decode(config_cls, values, where)
-    with module.building(cfg, f"{where}: vlm_model_name"):
-        policy = policy_cls.from_pretrained(policy_dir, config=cfg)
-    module.check_loaded(policy, policy_dir)
+    # PI0 / PI0.5's from_pretrained prints its key remapping ("Could not remap state dict keys ... Missing
+    # key(s)") even when the load is complete; check_loaded then verifies every tensor against the file. So
+    # its printing is held back, and shown only when that check fails (LeRobot's account of what it missed).
+    chatter = io.StringIO()
+    try:
+        with module.building(cfg, f"{where}: vlm_model_name"), contextlib.redirect_stdout(chatter):
+            policy = policy_cls.from_pretrained(policy_dir, config=cfg)
+        module.check_loaded(policy, policy_dir)
+    except BaseException:
+        sys.stdout.write(chatter.getvalue())
+        raise
     return policy.eval()
 
 
