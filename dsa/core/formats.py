@@ -201,3 +201,17 @@ class MultiTargetBundleMeta(BundleMeta):
 class BuildReport(JsonArtifact):
     KIND = "build report"
     FORMAT = BUILD_REPORT_FORMAT
+
+
+# Entry points of the rule set's own front ends that moved when the package was layered (dsa/lerobot.py became
+# dsa/frontends/lerobot): a 1.x manifest naming the old one stays valid (docs/manifest.md) and builds the same
+# model (dsa.stages.export.load_entry_point imports the current name); `dsa manifest validate` says which name
+# replaced it.
+RENAMED_ENTRY_POINTS = {
+    "dsa.lerobot:export_spec": "dsa.frontends.lerobot:export_spec",
+}
+
+
+def current_entry_point(entry_point: str) -> str:
+    """The entry point as this release names it (RENAMED_ENTRY_POINTS), the given one if it was not renamed."""
+    return RENAMED_ENTRY_POINTS.get(entry_point, entry_point)

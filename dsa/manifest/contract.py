@@ -35,6 +35,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 import yaml
 
 from dsa.core.fileio import write_json_atomic
+from dsa.core.formats import RENAMED_ENTRY_POINTS
 from jsonschema import Draft202012Validator, validators
 
 SCHEMA_PATH = Path(__file__).parent / "schema" / "manifest.schema.json"
@@ -442,19 +443,6 @@ def _strip_extensions(value: Any) -> Any:
     if isinstance(value, list):
         return [_strip_extensions(v) for v in value]
     return value
-
-
-# Entry points of the rule set's own front ends that moved when the package was layered (dsa/lerobot.py became
-# dsa/frontends/lerobot): a 1.x manifest naming the old one stays valid (docs/manifest.md) and builds the same
-# model (dsa.stages.export.load_entry_point imports the current name); `validate` says which name replaced it.
-RENAMED_ENTRY_POINTS = {
-    "dsa.lerobot:export_spec": "dsa.frontends.lerobot:export_spec",
-}
-
-
-def current_entry_point(entry_point: str) -> str:
-    """The entry point as this release names it (RENAMED_ENTRY_POINTS), the given one if it was not renamed."""
-    return RENAMED_ENTRY_POINTS.get(entry_point, entry_point)
 
 
 def renamed_entry_point_note(manifest: Mapping[str, Any]) -> Optional[str]:

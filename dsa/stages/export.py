@@ -32,11 +32,10 @@ from dsa.stages import importer_fixes
 from dsa.core.determinism import pin_math_libraries
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, sha256_bytes, sha256_file, write_bytes_atomic
-from dsa.core.formats import RECORD_FORMAT, ExportRecord
+from dsa.core.formats import RECORD_FORMAT, ExportRecord, current_entry_point
 from dsa.stages.precision import apply_precision
 from dsa.stages.quant import quantize_module, scale_name
 from dsa.stages.spec import DTYPE_NAMES, ExportSpec, InputSpec
-from dsa.manifest.contract import current_entry_point
 from dsa.stages.weightless import Budget, ModelTooLarge, as_fake, without_weights
 
 PARAMETER_SCOPE = "model"
