@@ -35,8 +35,9 @@ def missing_package(e: ModuleNotFoundError) -> Optional[str]:
 
 def describe_unexpected(e: BaseException) -> str:
     """One line for an error no check named: what kind it is, and what to do."""
-    if isinstance(e, ModuleNotFoundError) and missing_package(e):
-        return missing_package(e)
+    missing = missing_package(e) if isinstance(e, ModuleNotFoundError) else None
+    if missing:
+        return missing
     if isinstance(e, MemoryError):
         return "out of memory: an input states a size larger than this machine can hold (check the sizes " \
                "the manifest, bundle or files give)"
