@@ -145,3 +145,36 @@ def test_with_the_store_off_the_venv_is_installed_where_asked_and_nothing_is_kep
     assert proc.returncode == 0, proc.stderr
     assert _probe(str(venv)) == "1.0"
     assert not (venv.parent / "complete.json").exists()
+
+
+# ---- Remote execution: a worker image's environments (docs/remote-execution.md) ------------------------------
+
+def test_a_worker_image_holds_the_environment_at_its_lock_digest_linked_from_the_store(tmp_path):
+    lock = _lock(tmp_path, "1.0")
+    image, store = tmp_path / "image", tmp_path / "store"
+    proc = _envstore("--image-root", str(image), "--store", str(store), "--lock", str(lock))
+    assert proc.returncode == 0, proc.stderr
+    lock_sha = hashlib.sha256(lock.read_bytes()).hexdigest()
+    venv = image / lock_sha / "venv"
+    assert proc.stdout.strip().splitlines()[-1] == str(venv)
+    assert venv.is_symlink() and Path(os.path.realpath(venv)).parent.parent == store.resolve()
+    assert _probe(str(venv)) == "1.0"
+    again = _envstore("--image-root", str(image), "--store", str(store), "--lock", str(lock))
+    assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == str(venv)
+
+
+def test_a_worker_image_without_a_store_installs_the_environment_at_its_lock_digest(tmp_path):
+    lock = _lock(tmp_path, "2.0")
+    image = tmp_path / "image"
+    proc = _envstore("--image-root", str(image), "--lock", str(lock))
+    assert proc.returncode == 0, proc.stderr
+    venv = image / hashlib.sha256(lock.read_bytes()).hexdigest() / "venv"
+    assert venv.is_dir() and not venv.is_symlink()
+    assert _probe(str(venv)) == "2.0"
+
+
+def test_store_into_and_image_root_cannot_be_mixed(tmp_path):
+    lock = _lock(tmp_path, "1.0")
+    proc = _envstore("--into", str(tmp_path / "v"), "--image-root", str(tmp_path / "i"), "--lock", str(lock))
+    assert proc.returncode == 2 and "give one of --store, --into, --image-root" in proc.stderr
+    assert _envstore("--lock", str(lock)).returncode == 2

@@ -9,6 +9,13 @@ wrapper finds the venv through the link.
 
     python3.11 envstore.py --store DIR --lock LOCK [--pip-arg=ARG ...]   # prints the ready venv's path
     python3.11 envstore.py --into VENV --lock LOCK [--pip-arg=ARG ...]   # no store: installs at VENV
+    python3.11 envstore.py --image-root ROOT --lock LOCK [--store DIR]   # a worker image's environment
+
+--image-root lays an environment out the way a remote-execution worker's image holds it (docs/remote-execution.md):
+at ROOT/<the lock's sha256>/venv, the path the interpreter wrapper of dsa_python_env looks at when no venv lies
+beside it (ROOT: the image's DSA_ENV_IMAGE_ROOT, else /opt/rules_dsa/python-envs). Without --store it installs
+there (a Dockerfile's RUN step); with --store it links there the store's venv, installing that first if needed
+(the loopback test worker of tests/remote_exec). Prints the venv's path.
 
 With --store, the venv's path is printed on the last line. An entry is used only once complete (a marker
 written after pip succeeded); a half-made one (an interrupted install) is removed and made again. Concurrent callers (two
@@ -86,15 +93,45 @@ def ensure(store: str, lock: str, pip_args: list) -> str:
         return venv
 
 
+def image_entry(root: str, lock: str, pip_args: list, store: str = None) -> str:
+    """ROOT/<lock sha256>/venv for a worker image: installed there, or linked to the store's venv."""
+    with open(lock, "rb") as f:
+        lock_sha = hashlib.sha256(f.read()).hexdigest()
+    entry = os.path.join(root, lock_sha)
+    venv = os.path.join(entry, "venv")
+    if os.path.exists(os.path.join(venv, "bin", "python3")):
+        return venv
+    if os.path.lexists(venv):
+        shutil.rmtree(venv, ignore_errors=True) if not os.path.islink(venv) else os.unlink(venv)
+    os.makedirs(entry, exist_ok=True)
+    if store:
+        os.symlink(ensure(store, lock, pip_args), venv)
+    else:
+        status = install(venv, lock, pip_args)
+        if status != 0:
+            shutil.rmtree(entry, ignore_errors=True)
+            raise InstallFailed(status)
+    return venv
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--store", help="the machine's store: print the venv of this lock, installed once")
-    where.add_argument("--into", help="install a venv at this path, outside any store (DSA_ENV_STORE=off)")
+    parser.add_argument("--store", help="the machine's store: print the venv of this lock, installed once")
+    parser.add_argument("--into", help="install a venv at this path, outside any store (DSA_ENV_STORE=off)")
+    parser.add_argument("--image-root", help="a worker image's environments: ROOT/<lock sha256>/venv")
     parser.add_argument("--lock", required=True)
     parser.add_argument("--pip-arg", action="append", default=[])
     a = parser.parse_args()
     lock = os.path.abspath(a.lock)
+    if bool(a.into) + bool(a.store or a.image_root) != 1 or (a.into and a.image_root):
+        parser.error("give one of --store, --into, --image-root (--image-root may take --store)")
+    if a.image_root:
+        try:
+            print(image_entry(os.path.abspath(a.image_root), lock, a.pip_arg,
+                              os.path.abspath(a.store) if a.store else None))
+        except InstallFailed as e:
+            sys.exit(e.status)
+        return
     if a.into:
         sys.exit(install(os.path.abspath(a.into), lock, a.pip_arg))
     try:
