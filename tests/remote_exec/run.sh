@@ -174,11 +174,15 @@ log "engine (BuildGrid + PostgreSQL) at $EXEC ($(secs "$t0" "$(now)") s)"
 # repository rule builds them (same interpreter lookup: DSA_PYTHON or python3.11 on the actions' PATH), linked
 # from the machine's store; a container image would hold copies (docs/remote-execution.md).
 store="${DSA_ENV_STORE:-${XDG_CACHE_HOME:-$HOME/.cache}/rules_dsa/python-envs}"
-locks=(requirements_lock.txt)
-[ "$full" = 1 ] && locks+=(requirements_lerobot_lock.txt)
-for lock in "${locks[@]}"; do
+# Each lock with the pip arguments WORKSPACE.bazel gives its dsa_python_env (they are part of the store's key:
+# other arguments would install the environment again instead of linking the one the builds use).
+locks=("requirements_lock.txt")
+[ "$full" = 1 ] && locks+=("requirements_lerobot_lock.txt --pip-arg=--no-cache-dir")
+for entry in "${locks[@]}"; do
+    read -r lock pip_args <<<"$entry"
+    # shellcheck disable=SC2086 # pip_args: zero or more words
     PATH=/usr/local/bin:/usr/bin:/bin "${DSA_PYTHON:-python3.11}" "$ROOT/toolchains/python/envstore.py" \
-        --image-root "$IMAGE" --store "$store" --lock "$ROOT/$lock" >>"$LOGS/image.log" 2>&1 \
+        --image-root "$IMAGE" --store "$store" --lock "$ROOT/$lock" $pip_args >>"$LOGS/image.log" 2>&1 \
         || fail "making the worker image's environment for $lock: $(tail -n 10 "$LOGS/image.log")"
 done
 log "worker image: $(ls "$IMAGE" | tr '\n' ' ')"
