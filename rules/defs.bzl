@@ -9,12 +9,15 @@ Data path (each arrow one action, by mnemonic):
     checkpoint + params view + export record ──DsaParams──► params.irpa
     export view + bucket view ──DsaExport──► one static MLIR per bucket
     MLIR + compile view + target ──DsaCompile──► .vmfb + compile_report.json
+
+The stand-in generators (seeded checkpoints, LeRobot policy directories, processor files, tokenizers: for
+weights that are not at hand) and `dsa_py_test` are apart, in rules/testing.bzl.
 """
 
 load("@rules_python//python:defs.bzl", "py_binary")
 load("//rules/private:bucket.bzl", _dsa_bucket = "dsa_bucket")
 load("//rules/private:common.bzl", _dsa_target = "dsa_target")
-load("//rules/private:model.bzl", _dsa_checkpoint = "dsa_checkpoint", _dsa_lerobot_policy = "dsa_lerobot_policy", _dsa_lerobot_processors = "dsa_lerobot_processors", _dsa_lerobot_tokenizer = "dsa_lerobot_tokenizer", _dsa_model = "dsa_model")
+load("//rules/private:model.bzl", _dsa_model = "dsa_model")
 load(
     "//rules/private:providers.bzl",
     _DsaBucketInfo = "DsaBucketInfo",
@@ -40,10 +43,6 @@ dsa_model = _dsa_model
 dsa_bucket = _dsa_bucket
 dsa_vmfb = _dsa_vmfb
 dsa_target = _dsa_target
-dsa_checkpoint = _dsa_checkpoint
-dsa_lerobot_policy = _dsa_lerobot_policy
-dsa_lerobot_processors = _dsa_lerobot_processors
-dsa_lerobot_tokenizer = _dsa_lerobot_tokenizer
 
 # The ExecuTorch Plan B: `dsa_pte(name, model = ":<policy>_model")` builds the same model and checkpoint into
 # an XNNPACK .pte (rules/private/pte.bzl); `dsa_bundle(pte = ...)` ships it with its provenance.

@@ -852,7 +852,7 @@ def render_document(data: dict) -> str:
 
 def replace_marked(text: str, table: str) -> str:
     """`text` with everything between the import-matrix markers replaced by `table`; with no markers, an
-    "Import matrix" section is added before "## Using the rules in your workspace" (else at the end)."""
+    "Import matrix" section is added before README's "## Read next" (else at the end)."""
     block = f"{BEGIN_MARKER}\n{table.rstrip()}\n{END_MARKER}"
     begin, end = text.find(BEGIN_MARKER), text.find(END_MARKER)
     if begin >= 0 and end > begin:
@@ -864,7 +864,7 @@ def replace_marked(text: str, table: str) -> str:
                "Every model through export, compile, parity and the runtime, generated (never typed) by\n"
                "`./bazelw run //tools:import_matrix` after `./bazelw test //models/...`; columns, method and\n"
                "machine: [docs/import-matrix.md](docs/import-matrix.md).\n\n" + block + "\n\n")
-    anchor = re.search(r"^## Using the rules in your workspace", text, re.M)
+    anchor = re.search(r"^## Read next", text, re.M)
     if anchor:
         return text[:anchor.start()] + section + text[anchor.start():]
     return text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"

@@ -6,7 +6,8 @@ index the tools read (bazel-bin/<pkg>/<name>.json) — so no tool keeps a list o
 load("@rules_python//python:defs.bzl", "py_library")
 load(":bucket.bzl", "dsa_bucket")
 load(":link.bzl", "dsa_pipeline")
-load(":model.bzl", "dsa_checkpoint", "dsa_lerobot_policy", "dsa_model")
+load(":model.bzl", "dsa_model")
+load(":stand_ins.bzl", "dsa_checkpoint", "dsa_lerobot_policy")
 load(":providers.bzl", "DsaModuleInfo", "DsaPipelineInfo")
 load(":vmfb.bzl", "dsa_vmfb")
 

@@ -451,6 +451,24 @@ def dsa_rules_analysis_tests(name):
             "target_under_test": "//models:groot_bundle",
             "counts": {"DsaBundle": "1"},
         }),
+        # The stand-in generators (rules/testing.bzl): one mnemonic each, all starting with "Dsa" (the remote
+        # cache and execution checks select actions by that prefix).
+        (action_counts_test, "dsa_checkpoint_declares_one_checkpoint_and_its_export_view", {
+            "target_under_test": "//models:pi0_checkpoint",
+            "counts": {"DsaCheckpoint": "1", "DsaManifest": "1"},
+        }),
+        (action_counts_test, "dsa_lerobot_policy_declares_one_lerobot_policy", {
+            "target_under_test": ":stand_in_policy",
+            "counts": {"DsaLeRobotPolicy": "1"},
+        }),
+        (action_counts_test, "dsa_lerobot_processors_declares_one_lerobot_processors", {
+            "target_under_test": ":stand_in_processors",
+            "counts": {"DsaLeRobotProcessors": "1"},
+        }),
+        (action_counts_test, "dsa_lerobot_tokenizer_declares_one_lerobot_tokenizer", {
+            "target_under_test": ":stand_in_tokenizer",
+            "counts": {"DsaLeRobotTokenizer": "1"},
+        }),
 
         # (3) argument lines
         (dsa_compile_argv_test, "dsa_compile_argv_names_mlir_view_target_tuning_out_report", {

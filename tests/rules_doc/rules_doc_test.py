@@ -1,5 +1,6 @@
 """The rule reference in docs/ is exactly what the generator prints from the rules' doc strings (never
-hand-edited), it documents every public name of rules/defs.bzl, and the generator refuses what it cannot read."""
+hand-edited), it documents every public name of rules/defs.bzl and, in a section of their own, of
+rules/testing.bzl (the stand-in generators and dsa_py_test), and the generator refuses what it cannot read."""
 
 import ast
 import textwrap
@@ -10,11 +11,11 @@ from dsa.tools import rules_doc
 from dsa.tools.rules_doc import RulesDocError, cell, render
 from dsa.tools.testing import runfile
 
-RULES = ("dsa_model", "dsa_bucket", "dsa_vmfb", "dsa_target", "dsa_checkpoint", "dsa_lerobot_policy", "dsa_lerobot_processors",
-         "dsa_lerobot_tokenizer", "dsa_pte",
-         "dsa_pipeline", "dsa_bundle")
+RULES = ("dsa_model", "dsa_bucket", "dsa_vmfb", "dsa_target", "dsa_pte", "dsa_pipeline", "dsa_bundle")
 MACROS = ("dsa_policy", "dsa_policies", "dsa_runner", "dsa_release")
 PROVIDERS = ("DsaModelInfo", "DsaBucketInfo", "DsaModuleInfo", "DsaPipelineInfo", "DsaPteInfo", "DsaTargetInfo")
+# rules/testing.bzl: the stand-in generators (not exported by defs.bzl) and the test macro.
+TESTING = ("dsa_checkpoint", "dsa_lerobot_policy", "dsa_lerobot_processors", "dsa_lerobot_tokenizer", "dsa_py_test")
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +30,9 @@ def _section(text, name):
     return text[start:min(ends) if ends else len(text)]
 
 
-def _defs_exports():
-    """Public names rules/defs.bzl binds itself (assignments and defs; loaded names are file-local in Starlark)."""
-    tree = ast.parse(runfile("rules/defs.bzl").read_text(encoding="utf-8"))
+def _defs_exports(path="rules/defs.bzl"):
+    """Public names a .bzl file binds itself (assignments and defs; loaded names are file-local in Starlark)."""
+    tree = ast.parse(runfile(path).read_text(encoding="utf-8"))
     names = [n.targets[0].id for n in tree.body if isinstance(n, ast.Assign)] + \
             [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
     return {n for n in names if not n.startswith("_")}
@@ -56,6 +57,17 @@ def test_every_public_name_of_defs_bzl_has_a_section_of_its_kind(text):
     assert all(rules < text.index(f"\n### {n}\n") < macros for n in RULES)
     assert all(macros < text.index(f"\n### {n}\n") < providers for n in MACROS)
     assert all(providers < text.index(f"\n### {n}\n") for n in PROVIDERS)
+
+
+def test_stand_ins_and_the_test_macro_are_documented_apart_from_the_public_api(text):
+    assert _defs_exports("rules/testing.bzl") == set(TESTING)
+    testing = text.index("\n## Stand-ins and tests (rules/testing.bzl)\n")
+    assert all(testing < text.index(f"\n### {n}\n") for n in TESTING)
+    assert all(text.index(f"\n### {n}\n") < testing for n in RULES + MACROS + PROVIDERS)
+    assert '    load("@rules_dsa//rules:testing.bzl", "dsa_checkpoint",' in text
+    # The public API's load line names none of them.
+    defs_load = next(line for line in text.splitlines() if 'load("@rules_dsa//rules:defs.bzl"' in line)
+    assert not [n for n in TESTING if f'"{n}"' in defs_load], defs_load
 
 
 @pytest.mark.parametrize("rule, attribute, row", [
@@ -87,7 +99,7 @@ def test_attributes_from_shared_dicts_are_resolved_through_load_and_overrides_wi
 
 
 def test_private_attributes_are_left_out(text):
-    for name in RULES:
+    for name in RULES + TESTING[:4]:
         assert "| `_" not in _section(text, name), name
 
 

@@ -144,9 +144,9 @@ Intro.
 
 Perf text.
 
-{section}## Using the rules in your workspace
+{section}## Read next
 
-Usage text.
+Links.
 """
 
 
@@ -158,12 +158,12 @@ def test_markers_replaced_without_touching_other_text():
     assert im.replace_marked(out, "| new | table |\n") == out  # idempotent
 
 
-def test_markers_added_before_usage_section_when_absent():
+def test_markers_added_before_read_next_section_when_absent():
     text = README.format(section="")
     out = im.replace_marked(text, "| t |\n")
-    assert out.startswith(text[:text.index("## Using")])
-    assert out.endswith(text[text.index("## Using"):])
-    section = out[out.index("## Import matrix"):out.index("## Using")]
+    assert out.startswith(text[:text.index("## Read next")])
+    assert out.endswith(text[text.index("## Read next"):])
+    section = out[out.index("## Import matrix"):out.index("## Read next")]
     assert f"{im.BEGIN_MARKER}\n| t |\n{im.END_MARKER}" in section
     assert im.replace_marked(out, "| t |\n") == out
 
