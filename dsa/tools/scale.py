@@ -447,7 +447,7 @@ def _tail(text: str, lines: int = 12) -> str:
     return "\n".join(kept[-lines:])
 
 
-def _cause(stderr: str) -> str:
+def failure_cause(stderr: str) -> str:
     """The line of a failed command's stderr that says why: its last error line, else its last line."""
     kept = [l.strip() for l in stderr.strip().splitlines() if l.strip()]
     errors = [l for l in kept if "error" in l.lower()]
@@ -463,7 +463,7 @@ def run_stage(cmd: List[str], env: dict, what: str) -> dict:
         code = result["returncode"]
         why = f"was killed by signal {-code}" + (" (SIGKILL: out of memory?)" if code == -9 else "") if code < 0 \
             else f"exited with {code}"
-        raise DsaError(what, f"{why}: {_cause(result['stderr'])}", f"reproduce with: {shlex.join(cmd)}")
+        raise DsaError(what, f"{why}: {failure_cause(result['stderr'])}", f"reproduce with: {shlex.join(cmd)}")
     return result
 
 
@@ -472,7 +472,7 @@ def run_child(cmd: List[str], env: dict, result: Path, what: str) -> dict:
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0 or not result.is_file():
         why = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
-        raise DsaError(what, f"failed ({why}): {_cause(proc.stderr)}", f"reproduce with: {shlex.join(cmd)}")
+        raise DsaError(what, f"failed ({why}): {failure_cause(proc.stderr)}", f"reproduce with: {shlex.join(cmd)}")
     return json.loads(result.read_text())
 
 

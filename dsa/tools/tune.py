@@ -202,7 +202,7 @@ def _measure_model(model: str, subject, *, root: Path, target: dict, candidates:
     return results
 
 
-def _policy_mlir(record_path: Path) -> Path:
+def policy_mlir(record_path: Path) -> Path:
     """The MLIR DsaCompile compiled for a module, beside its export record: `<bucket>.export_record.json` →
     `<bucket>.mlir` (a bucketed model), `export_record.json` → `model.mlir`."""
     name = record_path.name
@@ -242,7 +242,7 @@ def _measure_policy(policy, family: str, *, root: Path, target: dict, candidates
     base = Path(policy.index).parent
     smallest = compiled.modules[0]
     entry = next(m for m in compiled.index["modules"] if base / m["vmfb"] == smallest.vmfb)
-    mlir = _policy_mlir(base / entry["record"])
+    mlir = policy_mlir(base / entry["record"])
     if not mlir.is_file():
         raise DsaError(str(mlir), f"is missing: policy {policy.name} was not built with its MLIR",
                        "run the tuner with `bazel run //bench:tune`, which builds what it reads")

@@ -169,9 +169,9 @@ def test_a_hand_chosen_tuning_is_no_incumbent_so_the_measured_winner_replaces_it
 
 
 def test_a_policy_module_is_recompiled_from_the_mlir_beside_its_export_record(tmp_path):
-    assert tune._policy_mlir(tmp_path / "act_buckets" / "batch_0.export_record.json") == \
+    assert tune.policy_mlir(tmp_path / "act_buckets" / "batch_0.export_record.json") == \
         tmp_path / "act_buckets" / "batch_0.mlir"
-    assert tune._policy_mlir(tmp_path / "smolvla_model" / "export_record.json") == \
+    assert tune.policy_mlir(tmp_path / "smolvla_model" / "export_record.json") == \
         tmp_path / "smolvla_model" / "model.mlir"
 
 

@@ -292,7 +292,7 @@ def test_shared_module_keeps_non_persistent_buffers_out_of_the_state_dict():
 
     policy = Policy()
     adapter = torch.nn.Module()
-    lerobot.common._SharedModule.share(adapter, policy)
+    lerobot.common.SharedModule.share(adapter, policy)
     assert list(adapter.state_dict()) == list(policy.state_dict()) == ["kept", "lin.weight", "lin.bias"]
     assert adapter.policy is policy and "policy" not in dict(adapter.named_children())
 
@@ -700,7 +700,7 @@ def test_pi_patch_refuses_other_transformers_versions(monkeypatch):
 
     monkeypatch.setattr(transformers, "__version__", "4.53.2")
     with pytest.raises(DsaError, match="transformers 4.57.6 and lerobot 0.4.4; found transformers 4.53.2"):
-        lerobot_pi._check_versions()
+        lerobot_pi.check_versions()
 
 
 def test_smolvla_outputs_are_the_same_before_and_after_the_pi_patch(smolvla_dir):
