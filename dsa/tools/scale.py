@@ -510,15 +510,11 @@ def runtime_child(index: Path, runs: int, threads: int, result: Path, output: Pa
     """In a process of its own (no torch): the module index at batch 1 on the sample inputs."""
     import numpy as np
 
-    import iree.runtime as rt
-
+    from dsa.runtime import iree_flags
     from dsa.runtime.policy import CompiledPolicy
     from dsa.tools.import_matrix import sample_values
 
-    try:
-        rt.flags.parse_flags(f"--task_topology_max_group_count={threads}")
-    except Exception:
-        pass
+    iree_flags.set_task_threads(threads)
     start = time.perf_counter()
     policy = CompiledPolicy(index)
     load_s = time.perf_counter() - start
@@ -955,10 +951,10 @@ def _env_name(python: Path, s: Settings) -> str:
 
 # -- the data file --------------------------------------------------------------------------------------------
 def machine(threads: int) -> dict:
-    from dsa.tools.bench import cpu_flags, cpu_model
+    from dsa.runtime.host import host_cpu_features, host_cpu_model
 
-    flags = cpu_flags()
-    return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "threads": threads,
+    flags = host_cpu_features() or []
+    return {"cpu": host_cpu_model(), "cores": len(os.sched_getaffinity(0)), "threads": threads,
             "memory_gib": round(memory_total_bytes() / 2 ** 30, 1), "avx512": "avx512f" in flags,
             "system": f"{platform.system()} {platform.release()}",
             "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg())}
