@@ -353,19 +353,20 @@ def test_diffusion_onnx_baseline_exports_with_a_constant_table_and_matches_lerob
         diffusion_dir, tmp_path):
     # The benchmark's ONNX Runtime baseline for Diffusion Policy: LeRobot's eager sampling loop does not export,
     # the unrolled form (with its DDIM table as a constant) does, and ONNX Runtime then matches eager.
-    from dsa.tools import bench
+    from dsa.tools.bench.lerobot import eager_lerobot, onnx_candidates
+    from dsa.tools.bench.runtimes import ort_session
 
     spec = _spec(diffusion_dir, "unrolled", batch=1)
     inputs = _inputs(spec)
     names = list(inputs)
     policy = lerobot.load_pretrained(diffusion_dir)
-    eager = bench.eager_lerobot(policy, names, None)
+    eager = eager_lerobot(policy, names, None)
     args = [torch.from_numpy(inputs[n]) for n in names]
     with torch.no_grad():
         want = eager(*args).numpy()
-    candidates = list(bench.onnx_candidates(eager, policy, None))
+    candidates = list(onnx_candidates(eager, policy, None))
     assert len(candidates) == 2
-    session, feeds = bench.ort_session(candidates[1], args, names, tmp_path / "diffusion.onnx", threads=1)
+    session, feeds = ort_session(candidates[1], args, names, tmp_path / "diffusion.onnx", threads=1)
     got = session.run(None, {f: inputs[n] for f, n in zip(feeds, names)})[0]
     np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE)
 
