@@ -33,6 +33,14 @@ def missing_package(e: ModuleNotFoundError) -> Optional[str]:
             "lerobot`): DSA_PYTHON=ENV/bin/python3 bin/dsa ..., or `./bazelw run //:dsa -- ...`)")
 
 
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """`Kind: first line of the message` (at most `limit` characters of it): how a failure that is reported
+    rather than raised (a baseline that does not export, a candidate that does not run) is written into a
+    tool's results."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:limit] if text else ''}"
+
+
 def describe_unexpected(e: BaseException) -> str:
     """One line for an error no check named: what kind it is, and what to do."""
     missing = missing_package(e) if isinstance(e, ModuleNotFoundError) else None

@@ -57,7 +57,7 @@ VIEWS: Dict[str, str] = {
     "runtime": "the runtime configuration shipped with the artifacts",
 }
 # View name → the top-level fields its projection reads (what `explain` reports).
-_VIEW_FIELDS: Dict[str, Tuple[str, ...]] = {
+VIEW_FIELDS: Dict[str, Tuple[str, ...]] = {
     "export": (
         "schema_version", "model_id", "framework", "model", "inputs", "outputs", "chunk_size", "buckets",
         "quant_scheme", "precision",
@@ -793,7 +793,7 @@ def check_precision_for_target(manifest: Mapping[str, Any], target: str, spec: M
 def explain(manifest: Mapping[str, Any]) -> List[Tuple[str, List[str]]]:
     """For each top-level field of the manifest, in schema order: the views (stages) a change to it affects."""
     return [
-        (field, [view for view, fields in _VIEW_FIELDS.items() if field in fields])
+        (field, [view for view, fields in VIEW_FIELDS.items() if field in fields])
         for field in SCHEMA["properties"]
         if field in manifest
     ]

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import List
 
-from dsa.manifest.contract import _VIEW_FIELDS, SCHEMA, SCHEMA_VERSION, VIEWS
+from dsa.manifest.contract import SCHEMA, SCHEMA_VERSION, VIEW_FIELDS, VIEWS
 
 
 def _type(node: dict) -> str:
@@ -89,7 +89,7 @@ def render() -> str:
         "",
         "| view | read by | top-level fields |",
         "|---|---|---|",
-        *[f"| `{view}` | {stage} | {', '.join(f'`{f}`' for f in _VIEW_FIELDS[view])} |" for view, stage in VIEWS.items()],
+        *[f"| `{view}` | {stage} | {', '.join(f'`{f}`' for f in VIEW_FIELDS[view])} |" for view, stage in VIEWS.items()],
         "",
     ]
     return "\n".join(lines)

@@ -4,7 +4,8 @@ A module compiled for a CPU the host lacks does not fail politely: IREE loads it
 instruction kills the process with SIGILL. A target spec therefore names what its code needs
 (`"host": {"arch": "x86_64", "cpu_features": [...]}`, feature names as Linux's /proc/cpuinfo spells them), and
 every runner checks it before it loads a module (`check_host`), with a message that names the target, what
-is missing and what to do.
+is missing and what to do. `best_target` picks the most capable target a machine runs, and `host_cpu_model`
+names its CPU (the benchmark and the tuner label their measurements with it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from dsa.core.errors import DsaError
+from dsa.core.fileio import read_json
 
 _CPUINFO = Path("/proc/cpuinfo")
 
@@ -23,18 +25,30 @@ def host_arch() -> str:
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
 
 
-def host_cpu_features(cpuinfo: Path = _CPUINFO) -> Optional[List[str]]:
-    """The CPU's feature flags (/proc/cpuinfo `flags`, or `Features` on aarch64), or None where the system does
-    not say (not Linux)."""
+def _cpuinfo_field(keys: Sequence[str], cpuinfo: Path) -> Optional[str]:
+    """The value of /proc/cpuinfo's first line whose key is one of `keys`, or None (no such line, not Linux)."""
     try:
         text = cpuinfo.read_text(errors="replace")
     except OSError:
         return None
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return value.split()
+        if key.strip() in keys:
+            return value.strip()
     return None
+
+
+def host_cpu_features(cpuinfo: Path = _CPUINFO) -> Optional[List[str]]:
+    """The CPU's feature flags (/proc/cpuinfo `flags`, or `Features` on aarch64), or None where the system does
+    not say (not Linux)."""
+    value = _cpuinfo_field(("flags", "Features"), cpuinfo)
+    return None if value is None else value.split()
+
+
+def host_cpu_model(cpuinfo: Path = _CPUINFO) -> str:
+    """The CPU's name as /proc/cpuinfo gives it (`model name`), else as the platform module does, else
+    "unknown": what a measurement is labelled with."""
+    return _cpuinfo_field(("model name",), cpuinfo) or platform.processor() or "unknown"
 
 
 def missing_for(spec: dict, arch: str, features: Optional[Sequence[str]]) -> Optional[str]:
@@ -51,6 +65,21 @@ def missing_for(spec: dict, arch: str, features: Optional[Sequence[str]]) -> Opt
     if lacking:
         return f"it needs the CPU features {', '.join(lacking)}, which this CPU lacks"
     return None
+
+
+def best_target(targets_dir: Path, *, features: Optional[Sequence[str]] = None, arch: Optional[str] = None) -> str:
+    """The most capable target of `targets_dir` (the one needing the most CPU features) that a CPU of `arch`
+    with `features` runs, by each spec's `host` requirements; both default to this machine's. A CPU whose
+    features are unknown is taken to have none (only a target needing none would fit)."""
+    if features is None:
+        features = host_cpu_features() or []
+    arch = arch or host_arch()
+    specs = [read_json(p) for p in sorted(targets_dir.glob("*.json"))]
+    fitting = [s for s in specs if s.get("host") and missing_for(s, arch, features) is None]
+    if not fitting:
+        raise DsaError(str(targets_dir), "no target spec fits this machine's CPU",
+                       "pass --target NAME, or add a target for this CPU (docs/architecture.md)")
+    return max(fitting, key=lambda s: (len(s["host"].get("cpu_features", [])), s["name"]))["name"]
 
 
 def runs_here(spec: dict) -> bool:

@@ -38,3 +38,15 @@ def require(flags: Iterable[str], where: str) -> None:
 def in_effect() -> Optional[Dict[str, int]]:
     """What this process's IREE runtime was set up with (None before the first module)."""
     return None if _in_effect is None else dict(_in_effect)
+
+
+def set_task_threads(threads: int) -> None:
+    """IREE's local-task driver: one worker per requested thread (like torch's and ONNX Runtime's thread
+    counts, so that timings compare), set before this process's first device. A runtime without the flag
+    keeps one worker per core."""
+    import iree.runtime as rt
+
+    try:
+        rt.flags.parse_flags(f"--task_topology_max_group_count={threads}")
+    except Exception:  # flag absent in this runtime: it then uses one worker per core
+        pass

@@ -80,7 +80,7 @@ def init_plan(module) -> Dict[str, Tuple[Tuple[int, ...], Optional[type], str]]:
     return plan
 
 
-def _init_values(module, seed: int) -> Dict[str, object]:
+def init_values(module, seed: int) -> Dict[str, object]:
     """Seeded values for every state_dict entry, all at once (small models and tests; `make_checkpoint`
     generates them one at a time)."""
     return {name: init_value(name, shape, owner, pname, seed)

@@ -320,7 +320,7 @@ def export_onnx(view: dict, model_file: Path, *, bucket: Optional[dict] = None,
 
     record_inputs = [describe(v, "input") for v in inputs]
     record_outputs = [describe(v, "output") for v in outputs]
-    _check_manifest_agrees(view, record_outputs[0], where, manifest_name)
+    check_manifest_agrees(view, record_outputs[0], where, manifest_name)
     check_inputs_agree(view, record_inputs, where, manifest_name)
     histogram = collections.Counter(f"onnx.{n.op_type}" if not n.domain else f"{n.domain}.{n.op_type}"
                                     for n in model.graph.node)
@@ -375,7 +375,7 @@ def check_inputs_agree(view: dict, inputs: list, where: str, manifest_name: str)
                            "make the manifest's sizes those of the model's input")
 
 
-def _check_manifest_agrees(view: dict, action: dict, where: str, manifest_name: str) -> None:
+def check_manifest_agrees(view: dict, action: dict, where: str, manifest_name: str) -> None:
     """The graph's first output is the action chunk: [..., chunk_size, action dim]."""
     want = [view["chunk_size"], view["outputs"]["action"]["dim"]]
     got = action["shape"][-2:]

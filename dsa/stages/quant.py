@@ -30,7 +30,7 @@ from typing import Dict, Optional
 import numpy as np
 
 SCALE_SUFFIX = "_scale"
-_QMAX = {"int8": 127, "int4": 7}
+QMAX = {"int8": 127, "int4": 7}
 
 
 def group_size_for(scheme: dict, in_features: int) -> int:
@@ -67,9 +67,9 @@ def _quantize_rows(weight: np.ndarray, kind: str, g: int):
     """(packed, scale) of a block of rows: the whole computation, row-independent."""
     out_f, in_f = weight.shape
     groups = weight.astype(np.float32).reshape(out_f, in_f // g, g)
-    scale = np.abs(groups).max(axis=2) / _QMAX[kind]
+    scale = np.abs(groups).max(axis=2) / QMAX[kind]
     scale = np.where(scale == 0, np.float32(1.0), scale).astype(np.float32)
-    q = np.clip(np.rint(groups / scale[:, :, None]), -_QMAX[kind] - (kind == "int4"), _QMAX[kind])
+    q = np.clip(np.rint(groups / scale[:, :, None]), -QMAX[kind] - (kind == "int4"), QMAX[kind])
     if kind == "int8":
         packed = q.astype(np.int8)
     else:

@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Tuple
 
 from dsa.core.errors import DsaError
 from dsa.core.fileio import sha256_bytes
-from dsa.stages.onnx_import import _check_manifest_agrees, check_inputs_agree, check_model_file
+from dsa.stages.onnx_import import check_inputs_agree, check_manifest_agrees, check_model_file
 
 PARAMETER_SCOPE = "model"
 FUNCTION = "main"
@@ -481,7 +481,7 @@ def export_stablehlo(view: dict, model_file: Path, *, bucket: Optional[dict] = N
     result_names += [None] * (len(result_shapes) - len(result_names))
     outputs = [{"name": name or f"output_{k}", "shape": shape, "dtype": dtype}
                for k, ((shape, dtype), name) in enumerate(zip(result_shapes, result_names))]
-    _check_manifest_agrees(view, outputs[0], where, manifest_name)
+    check_manifest_agrees(view, outputs[0], where, manifest_name)
 
     parameters, observations = _split_arguments(arguments, where)
     check_inputs_agree(view, [{"name": name, "shape": described[i][0]} for i, name in observations], where,

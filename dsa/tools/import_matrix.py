@@ -912,9 +912,9 @@ def _toolchain() -> dict:
 
 
 def _machine(threads: int) -> dict:
-    from dsa.tools.bench import cpu_model
+    from dsa.runtime.host import host_cpu_model
 
-    return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "threads": threads,
+    return {"cpu": host_cpu_model(), "cores": len(os.sched_getaffinity(0)), "threads": threads,
             "system": f"{platform.system()} {platform.release()}",
             "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg())}
 

@@ -8,13 +8,17 @@ Layers, highest first: a module may import from its own layer and the layers bel
     tools → frontends → stages → manifest → runtime → core
 
 and two packages stay free of PyTorch: `dsa.runtime` (what a robot runs) and `dsa.core`. Imports inside
-functions count like any other.
+functions count like any other. A name starting with `_` is private to its module: no other module of the
+package imports it (`from dsa.x import _name`) or reaches for it (`x._name`, `x.Class._name`).
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import sys
-from typing import List
+from pathlib import Path
+from typing import Dict, List, Optional
 
 LAYERS = ("tools", "frontends", "stages", "manifest", "runtime", "core")
 # Packages that must not reach these external packages, directly or through other modules.
@@ -44,12 +48,59 @@ def violations(package: str = "dsa") -> List[str]:
     return found
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _dotted(node: ast.AST) -> Optional[List[str]]:
+    """`a.b.c` as ["a", "b", "c"], or None for anything but a chain of names."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
+def private_uses(package: str = "dsa") -> List[str]:
+    """Every use of a name private to another module of the package: imported from it, or reached through a
+    name bound to something of the package (`from dsa.x import y` then `y._z`; `import dsa.x as x` then `x._z`)."""
+    root = Path(importlib.util.find_spec(package).origin).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        bound: Dict[str, str] = {}  # a name in this file → what of the package it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                    node.module.split(".")[0] == package and node.module != module:
+                for alias in node.names:
+                    if _private(alias.name):
+                        found.append(f"{module} imports {node.module}.{alias.name}, private to {node.module} "
+                                     f"({path.relative_to(root.parent)}:{node.lineno})")
+                    bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == package:
+                        bound[alias.asname or alias.name.split(".")[0]] = alias.asname and alias.name or package
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                chain = _dotted(node.value)
+                if chain and chain[0] in bound:
+                    owner = ".".join([bound[chain[0]], *chain[1:]])
+                    if owner != module:
+                        found.append(f"{module} uses {owner}.{node.attr}, private to it "
+                                     f"({path.relative_to(root.parent)}:{node.lineno})")
+    return found
+
+
 def main() -> None:
-    found = violations()
+    found = violations() + private_uses()
     for line in found:
         print(line)
     if found:
-        print(f"dsa layers: {len(found)} illegal import(s); see docs/architecture.md", file=sys.stderr)
+        print(f"dsa layers: {len(found)} illegal import(s) or private name(s) used across modules; see "
+              "docs/architecture.md", file=sys.stderr)
         sys.exit(1)
     print(f"dsa layers: ok ({' > '.join(LAYERS)})")
 

@@ -447,7 +447,7 @@ def _tail(text: str, lines: int = 12) -> str:
     return "\n".join(kept[-lines:])
 
 
-def _cause(stderr: str) -> str:
+def failure_cause(stderr: str) -> str:
     """The line of a failed command's stderr that says why: its last error line, else its last line."""
     kept = [l.strip() for l in stderr.strip().splitlines() if l.strip()]
     errors = [l for l in kept if "error" in l.lower()]
@@ -463,7 +463,7 @@ def run_stage(cmd: List[str], env: dict, what: str) -> dict:
         code = result["returncode"]
         why = f"was killed by signal {-code}" + (" (SIGKILL: out of memory?)" if code == -9 else "") if code < 0 \
             else f"exited with {code}"
-        raise DsaError(what, f"{why}: {_cause(result['stderr'])}", f"reproduce with: {shlex.join(cmd)}")
+        raise DsaError(what, f"{why}: {failure_cause(result['stderr'])}", f"reproduce with: {shlex.join(cmd)}")
     return result
 
 
@@ -472,7 +472,7 @@ def run_child(cmd: List[str], env: dict, result: Path, what: str) -> dict:
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0 or not result.is_file():
         why = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
-        raise DsaError(what, f"failed ({why}): {_cause(proc.stderr)}", f"reproduce with: {shlex.join(cmd)}")
+        raise DsaError(what, f"failed ({why}): {failure_cause(proc.stderr)}", f"reproduce with: {shlex.join(cmd)}")
     return json.loads(result.read_text())
 
 
@@ -510,15 +510,11 @@ def runtime_child(index: Path, runs: int, threads: int, result: Path, output: Pa
     """In a process of its own (no torch): the module index at batch 1 on the sample inputs."""
     import numpy as np
 
-    import iree.runtime as rt
-
+    from dsa.runtime import iree_flags
     from dsa.runtime.policy import CompiledPolicy
     from dsa.tools.import_matrix import sample_values
 
-    try:
-        rt.flags.parse_flags(f"--task_topology_max_group_count={threads}")
-    except Exception:
-        pass
+    iree_flags.set_task_threads(threads)
     start = time.perf_counter()
     policy = CompiledPolicy(index)
     load_s = time.perf_counter() - start
@@ -955,10 +951,10 @@ def _env_name(python: Path, s: Settings) -> str:
 
 # -- the data file --------------------------------------------------------------------------------------------
 def machine(threads: int) -> dict:
-    from dsa.tools.bench import cpu_flags, cpu_model
+    from dsa.runtime.host import host_cpu_features, host_cpu_model
 
-    flags = cpu_flags()
-    return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "threads": threads,
+    flags = host_cpu_features() or []
+    return {"cpu": host_cpu_model(), "cores": len(os.sched_getaffinity(0)), "threads": threads,
             "memory_gib": round(memory_total_bytes() / 2 ** 30, 1), "avx512": "avx512f" in flags,
             "system": f"{platform.system()} {platform.release()}",
             "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg())}

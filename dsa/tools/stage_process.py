@@ -40,7 +40,7 @@ class StageTiming:
     peak_rss_kib: int
 
 
-def _child_environment() -> dict:
+def child_environment() -> dict:
     # The child imports what this process can import (dsa, the model code): this process's sys.path.
     env = dict(os.environ)
     paths = [p if p else os.getcwd() for p in sys.path]
@@ -64,7 +64,7 @@ class StageRunner:
             with open(call, "wb") as f:
                 pickle.dump((fn.__module__, fn.__qualname__, args, kwargs), f)
             measured = run_measured([sys.executable, "-m", "dsa.tools.stage_process", str(call), str(result)],
-                                    env=_child_environment())
+                                    env=child_environment())
             self.timings.append(StageTiming(stage, measured["wall_s"], measured["peak_rss_kib"]))
             if result.exists():
                 with open(result, "rb") as f:

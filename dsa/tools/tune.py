@@ -33,15 +33,19 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from dsa.tools import bench
-from dsa.stages.compile import TUNING_FORMAT
-from dsa.stages.compile_flags import check_tuning_flags
-from dsa.core.errors import DsaError, run_cli
+from dsa.core.errors import DsaError, one_line, run_cli
 from dsa.core.fileio import read_json, write_json_atomic
 from dsa.core.runtime_flags import merge_runtime_flags, runtime_flag_values
 from dsa.runtime import iree_flags
-from dsa.runtime.host import check_host
+from dsa.runtime.host import best_target, check_host, host_cpu_model
 from dsa.runtime.policy import read_module_index
+from dsa.stages.compile import TUNING_FORMAT
+from dsa.stages.compile_flags import check_tuning_flags
+from dsa.tools.bench.lerobot import POLICIES_INDEX, lerobot_policies, lerobot_python, policy_case
+from dsa.tools.bench.report import workspace_root
+from dsa.tools.bench.runtimes import Built, IreeModule
+from dsa.tools.bench.subjects import build_variant, load_subject_manifest, load_subjects, reference_cases
+from dsa.tools.bench.timing import machine_info, measure_interleaved, parity
 
 
 def _check_candidates(path: Path, where: str, candidates) -> None:
@@ -161,8 +165,8 @@ def _compile_candidates(model: str, mlir: Path, compile_view: dict, family: str,
             continue
         results[cand["name"]] = {"compile_s": round(time.perf_counter() - start, 2),
                                  "vmfb_bytes": report["vmfb_bytes"], "cases": {}}
-        modules[cand["name"]] = bench.IreeModule(
-            bench.Built(vmfb, record, irpa, report["flags"], {}, 0, 0, report["vmfb_bytes"]),
+        modules[cand["name"]] = IreeModule(
+            Built(vmfb, record, irpa, report["flags"], {}, 0, 0, report["vmfb_bytes"]),
             target["runtime_driver"])
         print(f"dsa-tune: {model} {cand['name']}: compiled in {results[cand['name']]['compile_s']} s", flush=True)
     return results, modules
@@ -174,19 +178,19 @@ def _measure_model(model: str, subject, *, root: Path, target: dict, candidates:
     from dsa.stages import passes
     from dsa.manifest.contract import project
 
-    manifest = bench.load_subject_manifest(subject, root, work)
+    manifest = load_subject_manifest(subject, root, work)
     rewrites = list(manifest["model"].get("rewrites", passes.DEFAULT_PASSES))
-    base = bench.build_variant(subject, manifest, target, None, rewrites, work / "base", [str(root)])
-    _, _, cases = bench.reference_cases(subject, manifest, base.record)
+    base = build_variant(subject, manifest, target, None, rewrites, work / "base", [str(root)])
+    _, _, cases = reference_cases(subject, manifest, base.record)
 
     compile_view = dict(project(manifest, "compile", target=manifest["targets"][0]), target=target["name"])
     results, modules = _compile_candidates(model, base.vmfb.with_name("model.mlir"), compile_view, subject.family,
                                            base.record, base.irpa, root=root, target=target,
                                            candidates=candidates, work=work)
-    # Every compiled candidate is timed in alternating rounds (see bench.measure_interleaved).
+    # Every compiled candidate is timed in alternating rounds (see dsa.tools.bench.timing.measure_interleaved).
     for case in cases:
-        checks = {name: bench.parity(module(case.inputs), case.ref) for name, module in modules.items()}
-        timings = bench.measure_interleaved(
+        checks = {name: parity(module(case.inputs), case.ref) for name, module in modules.items()}
+        timings = measure_interleaved(
             {name: (lambda m: lambda: m(case.inputs))(module) for name, module in modules.items()},
             warmup=warmup, runs=runs)
         for name in modules:
@@ -202,7 +206,7 @@ def _measure_model(model: str, subject, *, root: Path, target: dict, candidates:
     return results
 
 
-def _policy_mlir(record_path: Path) -> Path:
+def policy_mlir(record_path: Path) -> Path:
     """The MLIR DsaCompile compiled for a module, beside its export record: `<bucket>.export_record.json` →
     `<bucket>.mlir` (a bucketed model), `export_record.json` → `model.mlir`."""
     name = record_path.name
@@ -242,12 +246,12 @@ def _measure_policy(policy, family: str, *, root: Path, target: dict, candidates
     base = Path(policy.index).parent
     smallest = compiled.modules[0]
     entry = next(m for m in compiled.index["modules"] if base / m["vmfb"] == smallest.vmfb)
-    mlir = _policy_mlir(base / entry["record"])
+    mlir = policy_mlir(base / entry["record"])
     if not mlir.is_file():
         raise DsaError(str(mlir), f"is missing: policy {policy.name} was not built with its MLIR",
                        "run the tuner with `bazel run //bench:tune`, which builds what it reads")
     compile_view = dict(_policy_compile_view(policy)[1], target=target["name"])
-    inputs, observation, steps, _, eager, args, ref = bench.policy_case(policy, compiled)
+    inputs, observation, steps, _, eager, args, ref = policy_case(policy, compiled)
     results, modules = _compile_candidates(policy.name, mlir, compile_view, family, smallest.record,
                                            compiled.parameter_archive, root=root, target=target,
                                            candidates=candidates, work=work)
@@ -255,14 +259,14 @@ def _measure_policy(policy, family: str, *, root: Path, target: dict, candidates
     checks = {}
     for name, module in modules.items():
         try:
-            checks[name] = bench.parity(module(inputs), ref)
+            checks[name] = parity(module(inputs), ref)
         except Exception as e:  # a module that compiles but cannot run here (e.g. out of worker stack)
-            results[name].update(qualified=False, reason=f"does not run: {bench._error(e)}")
+            results[name].update(qualified=False, reason=f"does not run: {one_line(e)}")
     runnable = {name: module for name, module in modules.items() if name in checks}
     fns = {name: (lambda m: lambda: m(inputs))(module) for name, module in runnable.items()}
     fns[EAGER] = lambda: eager(*args)
     with torch.no_grad():
-        timings = bench.measure_interleaved(fns, warmup=warmup, runs=runs)
+        timings = measure_interleaved(fns, warmup=warmup, runs=runs)
     eager_timing = timings[EAGER]
     for name in runnable:
         entry = results[name]
@@ -291,7 +295,7 @@ def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: 
     torch.set_num_threads(threads)
     target = read_json(root / "toolchains" / "targets" / f"{target_name}.json")
     candidates_path = root / "toolchains" / "tuning" / "candidates.json"
-    policies = {p.name: p for p in bench.lerobot_policies(root)} if (root / bench.POLICIES_INDEX).is_file() else {}
+    policies = {p.name: p for p in lerobot_policies(root)} if (root / POLICIES_INDEX).is_file() else {}
     eager: Dict[str, dict] = {}
     lerobot = bool(policies) and all(m in policies for m in models)
     if lerobot:
@@ -299,7 +303,7 @@ def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: 
         built = [read_module_index(policies[m].index).get("runtime_flags", []) for m in models]
         how = "against eager LeRobot, in the LeRobot environment"
     else:
-        subjects = {s.name: s for s in bench.load_subjects(root / "bench" / "subjects.json", root)}
+        subjects = {s.name: s for s in load_subjects(root / "bench" / "subjects.json", root)}
         for model in models:
             if model not in subjects:
                 known = sorted(subjects) + sorted(policies)
@@ -340,7 +344,7 @@ def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: 
         "flags": winner["flags"],
         **({"runtime_flags": winner["runtime_flags"]} if winner.get("runtime_flags") else {}),
         "chosen": f"candidate '{winner['name']}', measured by `bazel run //bench:tune -- {' '.join(models)} "
-                  f"--target {target_name}` {how} on {bench.cpu_model()}"
+                  f"--target {target_name}` {how} on {host_cpu_model()}"
                   + (f" (vs eager: {ratios})" if ratios else "")
                   + f"; evidence in {tuning_path.stem}.evidence.json",
     }
@@ -354,7 +358,7 @@ def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: 
         "family": family,
         "target": target_name,
         "date": time.strftime("%Y-%m-%d"),
-        "machine": bench.machine_info(threads),
+        "machine": machine_info(threads),
         "runs": runs,
         "score": "mean over models of total median / the fastest qualified candidate's (1.0 = best everywhere)",
         "winner": winner["name"],
@@ -398,15 +402,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--write-root", type=Path, help=argparse.SUPPRESS)  # kept across the LeRobot re-run
     a = parser.parse_args(argv)
     root = a.root or Path(os.path.abspath(__file__)).parents[2]
-    write_root = a.write_root or (bench.workspace_root() if a.root is None else a.root)
-    target = bench.best_target(bench.cpu_flags(), root / "toolchains" / "targets") if a.target == "auto" else a.target
+    write_root = a.write_root or (workspace_root() if a.root is None else a.root)
+    target = best_target(root / "toolchains" / "targets") if a.target == "auto" else a.target
     policies = set()
-    if (root / bench.POLICIES_INDEX).is_file():
-        policies = {p.name for p in bench.lerobot_policies(root)}
+    if (root / POLICIES_INDEX).is_file():
+        policies = {p.name for p in lerobot_policies(root)}
     if policies and all(m in policies for m in a.models) and not _in_lerobot_environment():
         # LeRobot policies are measured against eager LeRobot: this tool again, under that environment's
         # interpreter (in the runfiles), with the same import roots and arguments.
-        python = bench.lerobot_python(root)
+        python = lerobot_python(root)
         if python is None:
             raise DsaError("dsa tune", "the LeRobot environment is not in this binary's runfiles",
                            "run `bazel run //bench:tune -- POLICY ...`")
@@ -416,7 +420,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if a.root is None:
             args += ["--root", str(root), "--write-root", str(write_root)]
         os.execv(str(python), [str(python), "-m", "dsa.tools.tune", *args])
-    bench.set_iree_threads(a.threads)
+    iree_flags.set_task_threads(a.threads)
     with tempfile.TemporaryDirectory(prefix="dsa-tune-") as tmp:
         tune(a.models, root=root, target_name=target, runs=a.runs, warmup=a.warmup, threads=a.threads,
              work=Path(tmp), write_root=write_root, min_gain=a.min_gain)

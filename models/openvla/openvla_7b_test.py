@@ -160,12 +160,12 @@ def _side(side: str, args: dict, tmp: Path):
     (wall time and peak RSS from wait4)."""
     from dsa.core.errors import DsaError
     from dsa.tools.measure import run_measured
-    from dsa.tools.stage_process import _child_environment
+    from dsa.tools.stage_process import child_environment
 
     out = tmp / f"{side}.npz"
     (tmp / f"{side}.json").write_text(json.dumps({k: str(v) for k, v in args.items()}))
     measured = run_measured([sys.executable, str(Path(__file__).resolve()), side, str(tmp / f"{side}.json"),
-                             str(out)], env=_child_environment())
+                             str(out)], env=child_environment())
     if measured["returncode"] != 0 or not out.exists():
         raise DsaError(f"openvla_7b_test: {side}", f"the child exited with {measured['returncode']}",
                        measured["stderr"][-4000:])

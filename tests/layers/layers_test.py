@@ -41,6 +41,18 @@ def test_a_stage_importing_a_tool_is_refused_naming_the_chain(tmp_path):
     assert "dsa.stages.compile -> dsa.tools.bench" in proc.stdout
 
 
+def test_a_private_name_used_from_another_module_is_refused(tmp_path):
+    """`_name` is its module's own: importing it, or reaching for it through the module, from another fails."""
+    root = _copy(tmp_path)
+    run_py = root / "dsa" / "runtime" / "run.py"
+    run_py.write_text(run_py.read_text() + "\n\ndef _wrong():\n    from dsa.runtime.host import _CPUINFO  # noqa\n"
+                      "    from dsa.runtime import host\n    return host._cpuinfo_field\n")
+    proc = _check(root)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "dsa.runtime.run imports dsa.runtime.host._CPUINFO, private to dsa.runtime.host" in proc.stdout
+    assert "dsa.runtime.run uses dsa.runtime.host._cpuinfo_field, private to it" in proc.stdout
+
+
 def test_the_runtime_importing_torch_is_refused(tmp_path):
     root = _copy(tmp_path)
     policy = root / "dsa" / "runtime" / "policy.py"

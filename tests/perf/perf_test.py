@@ -5,8 +5,10 @@ import re
 
 import pytest
 
-from dsa.tools import bench
+from dsa.runtime.host import best_target
 from dsa.tools import tune
+from dsa.tools.bench import lerobot as lerobot_bench
+from dsa.tools.bench import report, subjects, timing
 from dsa.stages.compile import compile_flags, tuning_flags
 from dsa.core.errors import DsaError
 from dsa.core.runtime_flags import merge_runtime_flags
@@ -20,7 +22,7 @@ V3 = read_json(TARGETS / "x86_64-v3.json")
 
 
 def test_summarize_gives_median_and_p90_of_the_samples():
-    stats = bench.summarize([5.0, 1.0, 3.0, 2.0, 4.0, 100.0, 6.0, 7.0, 8.0, 9.0])
+    stats = timing.summarize([5.0, 1.0, 3.0, 2.0, 4.0, 100.0, 6.0, 7.0, 8.0, 9.0])
     assert stats["median_ms"] == 5.5
     assert stats["p90_ms"] == pytest.approx(18.1)
     assert stats["runs"] == 10
@@ -30,22 +32,22 @@ def test_parity_flags_an_output_outside_the_bound():
     import numpy as np
 
     ref = np.array([[1.0, -3.0]])
-    assert bench.parity(ref + 1e-5, ref)["ok"]
-    assert not bench.parity(ref + 1e-2, ref)["ok"]
-    assert not bench.parity(np.zeros((2, 2)), ref)["ok"]  # wrong shape never passes
+    assert timing.parity(ref + 1e-5, ref)["ok"]
+    assert not timing.parity(ref + 1e-2, ref)["ok"]
+    assert not timing.parity(np.zeros((2, 2)), ref)["ok"]  # wrong shape never passes
 
 
 def test_best_target_is_the_most_capable_spec_the_cpu_satisfies():
     v3_flags = V3["host"]["cpu_features"]
-    assert bench.best_target(v3_flags, TARGETS, "x86_64") == "x86_64-v3"
-    assert bench.best_target(v3_flags + ["avx512f", "avx512bw", "avx512cd", "avx512dq"], TARGETS, "x86_64") == \
+    avx512 = ["avx512f", "avx512bw", "avx512cd", "avx512dq"]
+    assert best_target(TARGETS, features=v3_flags, arch="x86_64") == "x86_64-v3"
+    assert best_target(TARGETS, features=v3_flags + avx512, arch="x86_64") == \
         "x86_64-v3"  # x86-64-v4 needs every AVX-512 subset it names
-    assert bench.best_target(v3_flags + ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"], TARGETS,
-                             "x86_64") == "x86_64-v4"
+    assert best_target(TARGETS, features=v3_flags + avx512 + ["avx512vl"], arch="x86_64") == "x86_64-v4"
     with pytest.raises(DsaError, match="no target spec fits this machine's CPU"):
-        bench.best_target(["avx2", "fma"], TARGETS, "x86_64")  # below x86-64-v3
+        best_target(TARGETS, features=["avx2", "fma"], arch="x86_64")  # below x86-64-v3
     with pytest.raises(DsaError, match="no target spec fits"):
-        bench.best_target(v3_flags, TARGETS, "aarch64")
+        best_target(TARGETS, features=v3_flags, arch="aarch64")
 
 
 def _row(case, eager, tuned, ort=None):
@@ -57,11 +59,11 @@ def _row(case, eager, tuned, ort=None):
 
 def test_goal_needs_vmfb_at_most_eager_and_within_1_5x_of_onnx_runtime_where_it_applies():
     result = {"ort_goal": True, "cases": [_row("a", 10, 9, 6.5), _row("b", 10, 9, 5.0), _row("c", 10, 11, 20)]}
-    status = bench.goal_status(result)
+    status = subjects.goal_status(result)
     assert status["a"]["met"] and not status["b"]["met"] and not status["c"]["met"]
     assert status["b"]["vs_onnxruntime"] == 1.8
     result["ort_goal"] = False
-    assert bench.goal_status(result)["b"]["met"]
+    assert subjects.goal_status(result)["b"]["met"]
 
 
 def _cand(name, flags, **models):
@@ -169,9 +171,9 @@ def test_a_hand_chosen_tuning_is_no_incumbent_so_the_measured_winner_replaces_it
 
 
 def test_a_policy_module_is_recompiled_from_the_mlir_beside_its_export_record(tmp_path):
-    assert tune._policy_mlir(tmp_path / "act_buckets" / "batch_0.export_record.json") == \
+    assert tune.policy_mlir(tmp_path / "act_buckets" / "batch_0.export_record.json") == \
         tmp_path / "act_buckets" / "batch_0.mlir"
-    assert tune._policy_mlir(tmp_path / "smolvla_model" / "export_record.json") == \
+    assert tune.policy_mlir(tmp_path / "smolvla_model" / "export_record.json") == \
         tmp_path / "smolvla_model" / "model.mlir"
 
 
@@ -220,15 +222,15 @@ def test_every_tuning_file_is_valid_for_its_target_and_has_its_evidence():
 def test_every_manifest_is_a_bench_subject_or_says_why_not():
     """Every manifest is benchmarked — with subjects.json's options, or the defaults — unless subjects.json
     says why not; a listed subject's tuning family exists for the shipped target."""
-    subjects = bench.load_subjects(runfile("bench/subjects.json"), ROOT)
-    covered = {s.manifest.name for s in subjects}
+    found = subjects.load_subjects(runfile("bench/subjects.json"), ROOT)
+    covered = {s.manifest.name for s in found}
     data = read_json(runfile("bench/subjects.json"))
     exempt = data["not_benchmarked"]
     manifests = {p.name for p in runfile("manifests").glob("*.yaml")}
     assert manifests == covered | set(exempt), sorted(manifests ^ (covered | set(exempt)))
     assert not set(exempt) & covered and all(exempt.values()), exempt
     listed = {entry["model"] for entry in data["subjects"]}
-    for s in subjects:
+    for s in found:
         if s.name in listed:
             assert (TUNING / f"{s.family}.x86_64-v3.json").exists(), s.name
 
@@ -242,13 +244,13 @@ def test_a_new_manifest_is_benchmarked_with_defaults_and_a_lerobot_one_must_say_
     (tmp_path / "bench" / "subjects.json").write_text('{"format": 1, "not_benchmarked": {}, "subjects": []}')
     (tmp_path / "manifests" / "new.yaml").write_text(
         "model_id: new_policy\nframework: pytorch\nbuckets:\n  prompt_len: [16, 32]\n")
-    [subject] = bench.load_subjects(tmp_path / "bench" / "subjects.json", tmp_path)
+    [subject] = subjects.load_subjects(tmp_path / "bench" / "subjects.json", tmp_path)
     assert (subject.name, subject.bucket, subject.cases, subject.ort_goal) == (
         "new_policy", {"dim": "prompt_len", "slot": 0}, [{}], True)
     assert subject.checkpoint == tmp_path / "models" / "new_policy.safetensors"
     (tmp_path / "manifests" / "lr.yaml").write_text("model_id: lr\nframework: lerobot\n")
     with pytest.raises(DsaError, match="lr.yaml: framework 'lerobot' is not benchmarked.*not_benchmarked"):
-        bench.load_subjects(tmp_path / "bench" / "subjects.json", tmp_path)
+        subjects.load_subjects(tmp_path / "bench" / "subjects.json", tmp_path)
 
 
 def test_markdown_report_has_latency_goal_and_rewrite_lines():
@@ -259,8 +261,8 @@ def test_markdown_report_has_latency_goal_and_rewrite_lines():
                "export_s": 1, "compile_s": 2, "vmfb_bytes": 3}
     result = {"model": "m", "target": "x86_64-v3", "ort_goal": True, "variants": {"default": variant, "tuned": variant},
               "cases": [{"case": "steps=1", "runtimes": runtimes}], "errors": {}}
-    result["goal"] = bench.goal_status(result)
-    text = bench.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
+    result["goal"] = subjects.goal_status(result)
+    text = report.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
                                               "python": "3"}, "date": "d", "target": "x86_64-v3", "runs": 30,
                                   "warmup": 5, "models": [result]})
     assert "| m | steps=1 | 10.00 / 11.00 |" in text
@@ -270,7 +272,7 @@ def test_markdown_report_has_latency_goal_and_rewrite_lines():
     # With the ExecuTorch Plan B timed: its column and the vmfb's ratio to it; a failed lowering is printed.
     runtimes["executorch"] = entry(16.0)
     result["errors"] = {"executorch": "XNNPACK lowering failed: ..."}
-    text = bench.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
+    text = report.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
                                               "python": "3"}, "date": "d", "target": "x86_64-v3", "runs": 30,
                                   "warmup": 5, "models": [result]})
     assert "| torch.compile | ExecuTorch (XNNPACK) | tuned / eager | tuned / ORT | tuned / ExecuTorch | goal |" in text
@@ -281,7 +283,7 @@ def test_markdown_report_has_latency_goal_and_rewrite_lines():
 def test_interleaved_measurement_calls_each_function_warmup_plus_runs_times_in_alternating_rounds():
     calls = []
     fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
-    stats = bench.measure_interleaved(fns, warmup=2, runs=7, rounds=3)
+    stats = timing.measure_interleaved(fns, warmup=2, runs=7, rounds=3)
     assert calls.count("a") == calls.count("b") == 9
     assert stats["a"]["runs"] == stats["b"]["runs"] == 7
     timed = calls[4:]  # after the warm-up: rounds of 3, 2, 2 calls, alternating between the functions
@@ -297,8 +299,8 @@ def test_a_default_rewrite_the_manifest_opts_out_of_gets_its_evidence_line():
     result = {"model": "m", "target": "t", "ort_goal": False, "errors": {},
               "variants": {"default": variant, "tuned": variant, "+decompose_attention": plus},
               "cases": [{"case": "-", "runtimes": runtimes}]}
-    result["goal"] = bench.goal_status(result)
-    text = bench.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
+    result["goal"] = subjects.goal_status(result)
+    text = report.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
                                               "python": "3"}, "date": "d", "target": "t", "runs": 30,
                                   "warmup": 5, "models": [result]})
     assert "| m | - | `decompose_attention` (not used: manifest opts out) | 11 | 4.00 | 5.00 | +25.0% |" in text
@@ -322,16 +324,16 @@ def test_lerobot_policies_are_the_index_rows_with_a_policy_config(tmp_path):
         {"name": "pi0", "index": "models/pi0.modules.json", "policy_config": None, "test": ""},
         {"name": "act", "index": "models/act.modules.json", "policy_config": "models/act_policy/config.json",
          "test": "//models/act:act_test"}]}))
-    [policy] = bench.lerobot_policies(tmp_path)
+    [policy] = lerobot_bench.lerobot_policies(tmp_path)
     assert (policy.name, policy.index, policy.policy_dir) == (
         "act", tmp_path / "models/act.modules.json", tmp_path / "models/act_policy")
 
 
 def test_quiet_wait_returns_at_once_on_an_idle_machine_and_reports_a_busy_one(monkeypatch):
-    monkeypatch.setattr(bench, "load_average", lambda: 0.4)
-    assert bench.wait_for_quiet(limit=1.5, wait_s=30) == {"load": 0.4, "waited_s": 0.0, "quiet": True}
-    monkeypatch.setattr(bench, "load_average", lambda: 3.0)
-    seen = bench.wait_for_quiet(limit=1.5, wait_s=0)
+    monkeypatch.setattr(timing, "load_average", lambda: 0.4)
+    assert timing.wait_for_quiet(limit=1.5, wait_s=30) == {"load": 0.4, "waited_s": 0.0, "quiet": True}
+    monkeypatch.setattr(timing, "load_average", lambda: 3.0)
+    seen = timing.wait_for_quiet(limit=1.5, wait_s=0)
     assert seen["quiet"] is False and seen["load"] == 3.0
 
 
@@ -342,7 +344,7 @@ def test_markdown_report_has_a_row_per_lerobot_policy_with_load_and_goal():
            "goal": {"vs_eager": 0.8, "met": True, "vs_onnxruntime": 1.25},
            "load": {"before": {"load": 0.9, "waited_s": 0.0, "quiet": True}, "after": 1.2},
            "errors": {"torch.compile": "RuntimeError: x"}}
-    text = bench.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": True, "system": "s",
+    text = report.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": True, "system": "s",
                                               "python": "3"}, "date": "d", "target": "x86_64-v4", "runs": 30,
                                   "warmup": 5, "models": [], "policies": [row]})
     assert ("| act | x86_64-v4 | `batch_0.vmfb` | batch=1 | 250.00 / 275.00 | 200.00 / 220.00 | 160.00 / 176.00 "
@@ -359,7 +361,7 @@ def test_markdown_report_has_an_end_to_end_line_per_policy_with_a_pipeline_bundl
            "end_to_end": {"bundle": "act_pipeline_bundle.tar", "lerobot": entry(260.0),
                           "bundle_ms": dict(entry(210.0), parity={"ok": False}), "ratio": 0.808,
                           "nodes_ms": [["prepare_observation", 1.0], ["network", 205.0]]}}
-    text = bench.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
+    text = report.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
                                               "python": "3"}, "date": "d", "target": "x86_64-v3", "runs": 30,
                                   "warmup": 5, "models": [], "policies": [row, dict(row, model="pi05", end_to_end=None)]})
     assert "### End to end: raw observation → raw action" in text
@@ -376,10 +378,10 @@ def test_a_build_this_machine_cannot_execute_is_a_not_run_row_naming_what_it_lac
     index.write_text(json.dumps({"format": 1, "target": "x86_64-future", "target_spec": "future.json",
                                  "parameter_archive": "p.irpa", "parameter_scope": "model",
                                  "runtime_view": "r.json", "modules": []}))
-    row = bench.not_runnable(index)
+    row = lerobot_bench.not_runnable(index)
     assert row == {"target": "x86_64-future",
                    "not_run": "it needs the CPU features dsa_no_cpu_has_this, which this CPU lacks"}
-    text = bench.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
+    text = report.render_markdown({"machine": {"cpu": "c", "threads": 2, "avx512": False, "system": "s",
                                               "python": "3"}, "date": "d", "target": "x86_64-v3", "runs": 30,
                                   "warmup": 5, "models": [], "policies": [dict(model="p", **row)]})
     assert "| p | x86_64-future | — |" in text and "not run on this machine: it needs the CPU features" in text
@@ -391,7 +393,7 @@ def test_quantised_layer_rows_render_ratio_sizes_and_error():
     rows = [{"layer": "MLP down", "shape": [4096, 11008], "rows": 1, "case": "decode step",
              "schemes": {"fp32": entry(10.0, 4096 * 11008 * 4, 0.0), "int8 g32": entry(6.0, 1, 1e-3),
                          "int4 g32": entry(4.0, 4096 * 11008 // 2 + 4096 * 344 * 4, 5e-2)}}]
-    text = "\n".join(bench.render_quant_layers(rows))
+    text = "\n".join(report.render_quant_layers(rows))
     assert ("| MLP down | 4096×11008 | decode step | 10.00 / 10.00 | 6.00 / 6.00 | 4.00 / 4.00 | 0.40 "
             "| 172 → 26.9 MiB | 5.0e-02 |") in text
     assert text.count("\n| ") == 2  # header, one row (the rule line is "|---")
@@ -400,11 +402,11 @@ def test_quantised_layer_rows_render_ratio_sizes_and_error():
 def test_a_project_subject_is_timed_against_eager_onnx_runtime_and_torch_compile(tmp_path):
     # The whole path of one project model (the transformer control, its builds, its baselines), with one
     # timed call each: every runtime gets a row and a parity check, and no baseline reports an error.
-    subject = next(s for s in bench.load_subjects(ROOT / "bench" / "subjects.json", ROOT)
+    subject = next(s for s in subjects.load_subjects(ROOT / "bench" / "subjects.json", ROOT)
                    if s.name == "transformer")
     subject.checkpoint = tmp_path / "absent.safetensors"   # the bench makes dsa_checkpoint's seed-0 one
-    target = bench.best_target(bench.cpu_flags(), TARGETS)
-    result = bench.bench_subject(subject, target_name=target, root=ROOT, work=tmp_path / "work",
+    target = best_target(TARGETS)
+    result = subjects.bench_subject(subject, target_name=target, root=ROOT, work=tmp_path / "work",
                                  runs=1, warmup=0, threads=2, profile_top=0)
     assert result["errors"] == {}
     runtimes = result["cases"][0]["runtimes"]
@@ -420,9 +422,9 @@ def test_update_replaces_only_the_re_measured_rows_and_says_when_each_was_measur
               "machine": machine, "quant_layers": [], "models": []}
     previous = dict(common, date="2026-12-01", policies=[{"model": "act", "eager": 1}, {"model": "pi05", "eager": 2}])
     fresh = dict(common, date="2026-12-02", policies=[{"model": "act", "eager": 3}])
-    merged = bench.merge_results(previous, fresh, "x86_64-v3")
+    merged = report.merge_results(previous, fresh, "x86_64-v3")
     assert [(p["model"], p["eager"]) for p in merged["policies"]] == [("act", 3), ("pi05", 2)]
     assert merged["policies"][1]["measured"] == "2026-12-01" and "(--update)" in merged["policies"][0]["measured"]
-    assert "measured in separate runs" in bench._measured_note(merged)
+    assert "measured in separate runs" in report.measured_note(merged)
     with pytest.raises(DsaError, match="runs=30"):
-        bench.merge_results(previous, dict(fresh, runs=10), "x86_64-v3")
+        report.merge_results(previous, dict(fresh, runs=10), "x86_64-v3")

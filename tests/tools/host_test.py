@@ -61,6 +61,22 @@ def test_cpu_features_are_read_from_cpuinfo(tmp_path):
     assert host.host_cpu_features(tmp_path / "missing") is None
 
 
+def test_cpu_model_is_read_from_cpuinfo_else_from_the_platform(tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU @ 2.0GHz\nflags\t\t: fpu\n")
+    assert host.host_cpu_model(cpuinfo) == "Some CPU @ 2.0GHz"
+    monkeypatch.setattr(host.platform, "processor", lambda: "")
+    assert host.host_cpu_model(tmp_path / "missing") == "unknown"
+
+
+def test_best_target_of_a_cpu_whose_features_are_unknown_is_one_needing_none(tmp_path):
+    v3 = read_json(TARGETS / "x86_64-v3.json")
+    (tmp_path / "v3.json").write_text(json.dumps(v3))
+    with pytest.raises(DsaError, match="no target spec fits"):
+        host.best_target(tmp_path, features=[], arch="x86_64")
+    assert host.best_target(tmp_path, features=v3["host"]["cpu_features"], arch="x86_64") == "x86_64-v3"
+
+
 def test_compiled_policy_refuses_a_target_this_host_lacks_before_loading_anything(tmp_path):
     """A module index whose target spec needs a feature no CPU has: refused naming the index, the target and
     the feature, before the (here absent) vmfb and parameter archive are even opened."""

@@ -292,7 +292,7 @@ def test_shared_module_keeps_non_persistent_buffers_out_of_the_state_dict():
 
     policy = Policy()
     adapter = torch.nn.Module()
-    lerobot.common._SharedModule.share(adapter, policy)
+    lerobot.common.SharedModule.share(adapter, policy)
     assert list(adapter.state_dict()) == list(policy.state_dict()) == ["kept", "lin.weight", "lin.bias"]
     assert adapter.policy is policy and "policy" not in dict(adapter.named_children())
 
@@ -353,19 +353,20 @@ def test_diffusion_onnx_baseline_exports_with_a_constant_table_and_matches_lerob
         diffusion_dir, tmp_path):
     # The benchmark's ONNX Runtime baseline for Diffusion Policy: LeRobot's eager sampling loop does not export,
     # the unrolled form (with its DDIM table as a constant) does, and ONNX Runtime then matches eager.
-    from dsa.tools import bench
+    from dsa.tools.bench.lerobot import eager_lerobot, onnx_candidates
+    from dsa.tools.bench.runtimes import ort_session
 
     spec = _spec(diffusion_dir, "unrolled", batch=1)
     inputs = _inputs(spec)
     names = list(inputs)
     policy = lerobot.load_pretrained(diffusion_dir)
-    eager = bench.eager_lerobot(policy, names, None)
+    eager = eager_lerobot(policy, names, None)
     args = [torch.from_numpy(inputs[n]) for n in names]
     with torch.no_grad():
         want = eager(*args).numpy()
-    candidates = list(bench.onnx_candidates(eager, policy, None))
+    candidates = list(onnx_candidates(eager, policy, None))
     assert len(candidates) == 2
-    session, feeds = bench.ort_session(candidates[1], args, names, tmp_path / "diffusion.onnx", threads=1)
+    session, feeds = ort_session(candidates[1], args, names, tmp_path / "diffusion.onnx", threads=1)
     got = session.run(None, {f: inputs[n] for f, n in zip(feeds, names)})[0]
     np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE)
 
@@ -700,7 +701,7 @@ def test_pi_patch_refuses_other_transformers_versions(monkeypatch):
 
     monkeypatch.setattr(transformers, "__version__", "4.53.2")
     with pytest.raises(DsaError, match="transformers 4.57.6 and lerobot 0.4.4; found transformers 4.53.2"):
-        lerobot_pi._check_versions()
+        lerobot_pi.check_versions()
 
 
 def test_smolvla_outputs_are_the_same_before_and_after_the_pi_patch(smolvla_dir):

@@ -146,15 +146,15 @@ def test_one_row_matmul_reads_the_packed_weight_in_one_dispatch(kind, target_spe
 def _quantize_whole(weight, scheme):
     """quantize_weight as it was before it worked in row blocks: the whole tensor at once (the reference the
     blocked version must equal bit for bit)."""
-    from dsa.stages.quant import _QMAX, group_size_for
+    from dsa.stages.quant import QMAX, group_size_for
 
     kind = scheme["kind"]
     out_f, in_f = weight.shape
     g = group_size_for(scheme, in_f)
     groups = weight.astype(np.float32).reshape(out_f, in_f // g, g)
-    scale = np.abs(groups).max(axis=2) / _QMAX[kind]
+    scale = np.abs(groups).max(axis=2) / QMAX[kind]
     scale = np.where(scale == 0, np.float32(1.0), scale).astype(np.float32)
-    q = np.clip(np.rint(groups / scale[:, :, None]), -_QMAX[kind] - (kind == "int4"), _QMAX[kind])
+    q = np.clip(np.rint(groups / scale[:, :, None]), -QMAX[kind] - (kind == "int4"), QMAX[kind])
     if kind == "int8":
         packed = q.astype(np.int8)
     else:

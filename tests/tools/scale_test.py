@@ -507,6 +507,6 @@ def test_the_manifest_dsa_compile_reads_is_pinned_to_the_weights(tmp_path, deriv
 
 def test_a_failed_steps_cause_is_its_last_error_line():
     stderr = "Traceback ...\n  File x\nwarning: noise\ndsa compile: error: checkpoint.sha256: mismatch\n\nexiting\n"
-    assert scale._cause(stderr) == "dsa compile: error: checkpoint.sha256: mismatch"
-    assert scale._cause("only\nlines\n") == "lines"
-    assert scale._cause("") == "no message"
+    assert scale.failure_cause(stderr) == "dsa compile: error: checkpoint.sha256: mismatch"
+    assert scale.failure_cause("only\nlines\n") == "lines"
+    assert scale.failure_cause("") == "no message"

@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 from dsa.core.fileio import sha256_file
 from dsa.manifest.contract import load_manifest, project
-from dsa.stages.checkpoint import init_plan, _init_values, make_checkpoint
+from dsa.stages.checkpoint import init_plan, init_values, make_checkpoint
 from dsa.stages.export import NominalDims, load_entry_point
 from dsa.tools.testing import runfile
 
@@ -37,7 +37,7 @@ def test_seeded_checkpoints_keep_the_bytes_their_manifests_pin(tmp_path, name, s
     assert sha256_file(out) == manifest["checkpoint"]["sha256"]
     # And the all-at-once form gives the same bytes.
     spec = load_entry_point(view["model"]["entry_point"], _pythonpath())(view, NominalDims())
-    save_file(_init_values(spec.module, seed), str(tmp_path / "all.safetensors"), metadata={"format": "pt"})
+    save_file(init_values(spec.module, seed), str(tmp_path / "all.safetensors"), metadata={"format": "pt"})
     assert (tmp_path / "all.safetensors").read_bytes() == out.read_bytes()
 
 

@@ -13,7 +13,7 @@ Three things, all through LeRobot's own classes (lerobot 0.4.x), never a re-impl
   `view["model"]["pretrained_config"]`; `policy_from_config` rebuilds the policy from it (random init: the
   weights are externalised by the export and later read from `model.safetensors` by name). The returned
   module is an *adapter*: it registers the policy's own submodules, parameters and buffers as its own
-  (`common._SharedModule`), so `adapter.state_dict()` has exactly the keys of the policy's `state_dict()`,
+  (`common.SharedModule`), so `adapter.state_dict()` has exactly the keys of the policy's `state_dict()`,
   which are exactly the tensor names in `model.safetensors`; the policy object itself is kept outside the
   module tree (`object.__setattr__`), so no name gets a prefix. `view["model"]["denoising_loop"]` (`kept`,
   the default, or `unrolled`) chooses how a denoising loop is exported. Batch is a dynamic dim named `batch`

@@ -10,7 +10,7 @@ The hooks of a policy module are described in dsa.frontends.lerobot's module doc
 from __future__ import annotations
 
 from dsa.core.errors import DsaError
-from dsa.frontends.lerobot.common import (_SharedModule, building_plain, check_manifest_agrees, decode_plain,
+from dsa.frontends.lerobot.common import (SharedModule, building_plain, check_manifest_agrees, decode_plain,
                                           feature_shape, loaded_as_is, no_backbone_download, no_precheck,
                                           observation_keys, torch_nn)
 
@@ -38,7 +38,7 @@ def adapter(policy):
 
         def __init__(self):
             super().__init__()
-            _SharedModule.share(self, policy)
+            SharedModule.share(self, policy)
             self.keys = observation_keys(policy.config)
 
         def forward(self, *observations):

@@ -1,5 +1,5 @@
 """What the LeRobot policy modules share: LeRobot config decoding and its checks, the adapters' module sharing
-(`_SharedModule`), the observation keys and the manifest's agreement with config.json, and the helpers that
+(`SharedModule`), the observation keys and the manifest's agreement with config.json, and the helpers that
 make LeRobot code exportable (`with_constant_lists_as_ops`, `with_globals`, `bilinear_resize`).
 
 LeRobot and its dependencies are imported lazily, only by the functions that need them.
@@ -137,7 +137,7 @@ def torch_nn():
     return torch.nn
 
 
-class _SharedModule:
+class SharedModule:
     """Mixin body: registers a policy's submodules/parameters/buffers as the adapter's own (same objects, same
     names) and keeps the policy object itself outside the module tree."""
 

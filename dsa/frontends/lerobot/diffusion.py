@@ -54,7 +54,7 @@ import math
 from typing import List
 
 from dsa.core.errors import DsaError
-from dsa.frontends.lerobot.common import (OBS_ENV_STATE, OBS_IMAGES, OBS_STATE, _SharedModule, building_plain,
+from dsa.frontends.lerobot.common import (OBS_ENV_STATE, OBS_IMAGES, OBS_STATE, SharedModule, building_plain,
                                           check_manifest_agrees, decode_plain, feature_shape, loaded_as_is,
                                           no_backbone_download, observation_keys, torch_nn)
 
@@ -192,7 +192,7 @@ def adapter(policy, loop: str):
 
         def __init__(self):
             super().__init__()
-            _SharedModule.share(self, policy)
+            SharedModule.share(self, policy)
             self.keys = observation_keys(cfg)
 
         def forward(self, *args):
@@ -214,7 +214,7 @@ def adapter(policy, loop: str):
 
         def __init__(self):
             super().__init__()
-            _SharedModule.share(self, policy)
+            SharedModule.share(self, policy)
             self.keys = observation_keys(cfg)
             sched = model.noise_scheduler
             sched.set_timesteps(model.num_inference_steps)  # diffusers' own timesteps, pinned as ints

@@ -41,7 +41,7 @@ from typing import Any, Dict
 
 from dsa.core.errors import DsaError
 from dsa.frontends.lerobot.common import (OBS_LANGUAGE_ATTENTION_MASK, OBS_LANGUAGE_TOKENS, OBS_STATE,
-                                          _SharedModule, building_plain, check_manifest_agrees, decode_config,
+                                          SharedModule, building_plain, check_manifest_agrees, decode_config,
                                           feature_shape, functional_with_bilinear_resize, no_precheck,
                                           observation_keys, torch_nn, with_constant_lists_as_ops, with_globals)
 
@@ -282,7 +282,7 @@ def adapter(policy, loop: str):
 
         def __init__(self):
             super().__init__()
-            _SharedModule.share(self, policy)
+            SharedModule.share(self, policy)
 
         def forward(self, *args):
             observations, (tokens, mask, noise, steps) = args[:n_obs], args[n_obs:]
@@ -316,7 +316,7 @@ def adapter(policy, loop: str):
 
         def __init__(self):
             super().__init__()
-            _SharedModule.share(self, policy)
+            SharedModule.share(self, policy)
 
         def forward(self, *args):
             observations, (tokens, mask, noise) = args[:n_obs], args[n_obs:]

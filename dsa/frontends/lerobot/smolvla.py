@@ -47,7 +47,7 @@ from typing import Any, Dict, Mapping
 
 from dsa.core.errors import DsaError
 from dsa.frontends.lerobot.common import (OBS_ENV_STATE, OBS_LANGUAGE_ATTENTION_MASK, OBS_LANGUAGE_TOKENS,
-                                          OBS_STATE, _SharedModule, check_manifest_agrees, decode_plain,
+                                          OBS_STATE, SharedModule, check_manifest_agrees, decode_plain,
                                           feature_shape, functional_with_bilinear_resize, loaded_as_is,
                                           no_precheck, observation_keys, torch_nn, with_constant_lists_as_ops,
                                           with_globals)
@@ -287,7 +287,7 @@ def adapter(policy, loop: str):
 
         def __init__(self):
             super().__init__()
-            _SharedModule.share(self, policy)
+            SharedModule.share(self, policy)
 
         def forward(self, *args):
             observations, (tokens, mask, noise, steps) = args[:n_obs], args[n_obs:]
@@ -327,7 +327,7 @@ def adapter(policy, loop: str):
 
         def __init__(self):
             super().__init__()
-            _SharedModule.share(self, policy)
+            SharedModule.share(self, policy)
 
         def forward(self, *args):
             observations, (tokens, mask, noise) = args[:n_obs], args[n_obs:]

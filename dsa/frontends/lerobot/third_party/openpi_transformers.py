@@ -72,7 +72,7 @@ _STAND_IN = "gemma_300m"
 _applied = False
 
 
-def _check_versions() -> None:
+def check_versions() -> None:
     import transformers
     from importlib.metadata import version
 
@@ -91,7 +91,7 @@ def apply() -> None:
     global _applied
     if _applied:
         return
-    _check_versions()
+    check_versions()
     _patch = _make_patch()
     _patch()
     _applied = True
