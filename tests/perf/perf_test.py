@@ -8,7 +8,7 @@ import pytest
 from dsa.runtime.host import best_target
 from dsa.tools import tune
 from dsa.tools.bench import lerobot as lerobot_bench
-from dsa.tools.bench import report, subjects, timing
+from dsa.tools.bench import report, runtimes as bench_runtimes, subjects, timing
 from dsa.stages.compile import compile_flags, tuning_flags
 from dsa.core.errors import DsaError
 from dsa.core.runtime_flags import merge_runtime_flags
@@ -340,7 +340,8 @@ def test_quiet_wait_returns_at_once_on_an_idle_machine_and_reports_a_busy_one(mo
 def test_markdown_report_has_a_row_per_lerobot_policy_with_load_and_goal():
     entry = lambda ms: {"median_ms": ms, "p90_ms": ms * 1.1, "runs": 30, "parity": {"ok": True}}  # noqa: E731
     row = {"model": "act", "target": "x86_64-v4", "module": "batch_0.vmfb", "bucket": {"batch": 1},
-           "case": "batch=1", "runtimes": {"eager": entry(250.0), "vmfb": entry(200.0), "onnxruntime": entry(160.0)},
+           "case": "batch=1", "runtimes": {"eager": entry(250.0), "vmfb": entry(200.0), "onnxruntime": entry(160.0),
+                                           bench_runtimes.ORT_SPINNING: entry(150.0)},
            "goal": {"vs_eager": 0.8, "met": True, "vs_onnxruntime": 1.25},
            "load": {"before": {"load": 0.9, "waited_s": 0.0, "quiet": True}, "after": 1.2},
            "errors": {"torch.compile": "RuntimeError: x"}}
@@ -348,7 +349,7 @@ def test_markdown_report_has_a_row_per_lerobot_policy_with_load_and_goal():
                                               "python": "3"}, "date": "d", "target": "x86_64-v4", "runs": 30,
                                   "warmup": 5, "models": [], "policies": [row]})
     assert ("| act | x86_64-v4 | `batch_0.vmfb` | batch=1 | 250.00 / 275.00 | 200.00 / 220.00 | 160.00 / 176.00 "
-            "| — | 0.80 | 1.25 | 0.9 → 1.2 | met |") in text
+            "| 150.00 / 165.00 | — | 0.80 | 1.25 | 0.9 → 1.2 | met |") in text
     assert "act: torch.compile not measured (RuntimeError: x)" in text
 
 
@@ -410,10 +411,30 @@ def test_a_project_subject_is_timed_against_eager_onnx_runtime_and_torch_compile
                                  runs=1, warmup=0, threads=2, profile_top=0)
     assert result["errors"] == {}
     runtimes = result["cases"][0]["runtimes"]
-    assert {"eager", "vmfb:tuned", "onnxruntime", "torch.compile"} <= set(runtimes)
+    assert {"eager", "vmfb:tuned", "onnxruntime", bench_runtimes.ORT_SPINNING, "torch.compile"} <= set(runtimes)
     assert all(r["parity"]["ok"] for r in runtimes.values()), runtimes
     assert "vs_onnxruntime" in result["goal"]["-"]
     assert len(result["variants"]["tuned"]["vmfb_sha256"]) == 64  # the import matrix matches builds by it
+
+
+def test_onnx_runtime_is_timed_with_sleeping_threads_and_its_spin_wait_default_beside_it(tmp_path):
+    # The bar is ORT with threads that do not spin between calls (a spinning pool steals the next runtime's CPU in
+    # alternating rounds); its default, spinning, is the second session on the same file.
+    import numpy as np
+    import torch
+
+    model = torch.nn.Linear(8, 4).eval()
+    args = (torch.ones(2, 8),)
+    session, feeds = bench_runtimes.ort_session(model, args, ["x"], tmp_path / "m.onnx", threads=2)
+    spinning, _ = bench_runtimes.ort_file_session(tmp_path / "m.onnx", 2, spinning=True)
+    for s, flag in ((session, "0"), (spinning, "1")):
+        options = s.get_session_options()
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == flag
+        assert options.get_session_config_entry("session.inter_op.allow_spinning") == flag
+        assert options.intra_op_num_threads == 2
+    x = {feeds[0]: np.ones((2, 8), np.float32)}
+    np.testing.assert_allclose(session.run(None, x)[0], spinning.run(None, x)[0])
+    np.testing.assert_allclose(session.run(None, x)[0], model(*args).detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_update_replaces_only_the_re_measured_rows_and_says_when_each_was_measured():

@@ -18,7 +18,7 @@ from dsa.core.fileio import read_json, sha256_file
 from dsa.core.runtime_flags import merge_runtime_flags
 from dsa.runtime import iree_flags
 from dsa.runtime.policy import read_module_index
-from dsa.tools.bench.runtimes import ort_session, runfiles_python
+from dsa.tools.bench.runtimes import ORT_SPINNING, ort_file_session, ort_session, runfiles_python
 from dsa.tools.bench.timing import GOAL_EAGER_RATIO, QUIET_WAIT_S, load_average, measure_interleaved, parity, \
     wait_for_quiet
 
@@ -151,6 +151,9 @@ def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: 
                 feed = {f: np.asarray(inputs[n]) for f, n in zip(feeds, observation)}
                 checks["onnxruntime"] = parity(session.run(None, feed)[0], ref)
                 fns["onnxruntime"] = lambda: session.run(None, feed)
+                spin_session, _ = ort_file_session(work / f"{policy.name}.onnx", threads, spinning=True)
+                checks[ORT_SPINNING] = parity(spin_session.run(None, feed)[0], ref)
+                fns[ORT_SPINNING] = lambda: spin_session.run(None, feed)
                 errors.pop("onnxruntime", None)
                 break
             except Exception as e:  # reported, not fatal: not every policy exports to ONNX

@@ -51,15 +51,34 @@ class IreeModule:
         return np.asarray(result.to_host())
 
 
+# The runtime name of ONNX Runtime with its default spin-waiting threads, timed beside "onnxruntime" (threads
+# that sleep between calls: the bar).
+ORT_SPINNING = "onnxruntime:spinning"
+
+
 def ort_session(eager, args, names: List[str], path: Path, threads: int):
-    import onnxruntime as ort
+    """torch's ONNX export of `eager`, saved at `path`, in an ONNX Runtime session whose threads do not spin
+    between calls (the bar: a spinning pool keeps burning the cores after a call returns, which steals the next
+    runtime's CPU in alternating rounds and flatters ORT); `ort_file_session(path, threads, spinning=True)` gives
+    ORT's default, which the benchmark reports beside it."""
     import torch
 
     program = torch.onnx.export(eager, tuple(args), dynamo=True, input_names=names, verbose=False)
     program.save(str(path))
+    return ort_file_session(path, threads, spinning=False)
+
+
+def ort_file_session(path: Path, threads: int, spinning: bool):
+    """(session, input names) of a saved ONNX file on the CPU, `threads` intra-op threads; `spinning`: whether
+    idle pool threads spin-wait (ORT's default) or sleep."""
+    import onnxruntime as ort
+
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
+    flag = "1" if spinning else "0"
+    options.add_session_config_entry("session.intra_op.allow_spinning", flag)
+    options.add_session_config_entry("session.inter_op.allow_spinning", flag)
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     feeds = [i.name for i in session.get_inputs()]
     return session, feeds

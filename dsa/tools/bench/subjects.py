@@ -15,7 +15,8 @@ import numpy as np
 
 from dsa.core.errors import DsaError, one_line
 from dsa.core.fileio import read_json, sha256_file
-from dsa.tools.bench.runtimes import Built, IreeModule, executorch_available, ort_session
+from dsa.tools.bench.runtimes import (ORT_SPINNING, Built, IreeModule, executorch_available, ort_file_session,
+                                      ort_session)
 from dsa.tools.bench.timing import GOAL_EAGER_RATIO, GOAL_ORT_RATIO, measure_interleaved, parity
 
 
@@ -245,10 +246,12 @@ def _time_subject(subject: Subject, manifest: dict, target_name: str, target: di
 
     modules = {name: IreeModule(built, target["runtime_driver"]) for name, built in variants.items()}
     ort = None
+    ort_spin = None
     ort_error = None
     if with_ort:
         try:
             ort = ort_session(eager, cases[0].args, names, work / f"{subject.name}.onnx", threads)
+            ort_spin = ort_file_session(work / f"{subject.name}.onnx", threads, spinning=True)
         except Exception as e:  # reported in the results, not fatal
             ort_error = one_line(e)
     executorch = None
@@ -286,6 +289,11 @@ def _time_subject(subject: Subject, manifest: dict, target_name: str, target: di
                 feed = {f: np.asarray(inputs[n]) for f, n in zip(feeds, names)}
                 checks["onnxruntime"] = parity(session.run(None, feed)[0], ref)
                 fns["onnxruntime"] = lambda: session.run(None, feed)
+            if ort_spin is not None:
+                spin_session, spin_feeds = ort_spin
+                spin_feed = {f: np.asarray(inputs[n]) for f, n in zip(spin_feeds, names)}
+                checks[ORT_SPINNING] = parity(spin_session.run(None, spin_feed)[0], ref)
+                fns[ORT_SPINNING] = lambda: spin_session.run(None, spin_feed)
             if executorch is not None:
                 try:
                     pte_args = executorch.arguments(inputs)
