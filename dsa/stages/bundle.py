@@ -40,6 +40,7 @@ from dsa.core.tarfiles import member_digests, sidecar_path, write_archive
 from dsa.stages.provenance import (build_report, multi_target_provenance, pipeline_provenance, provenance_statement,
                                    pte_provenance)
 
+
 @dataclasses.dataclass
 class ModuleInput:
     """One compiled module to bundle: its vmfb with the export record and compile report it came with."""
