@@ -1,28 +1,7 @@
-"""DsaBundle: one compiled policy for one target as a single, deterministic, verifiable release archive.
-
-    bin/dsa bundle create --lock L --manifest M --runtime-view R --target-spec T --params P \\
-        --module NAME=VMFB,EXPORT_RECORD,COMPILE_REPORT ... --out NAME.tar [--digest NAME.sha256]
-    bin/dsa bundle create --index out/pi0/x86_64-v3.modules.json --manifest manifests/pi0.yaml \\
-        --target-spec toolchains/targets/x86_64-v3.json --out pi0_bundle.tar    # from dsa compile's output
-    bin/dsa bundle create --pipeline bazel-bin/models/groot.pipeline.json \\
-        --stage-manifest groot_backbone=manifests/groot_backbone.yaml \\
-        --stage-manifest groot_head=manifests/groot_head.yaml --out groot_bundle.tar   # a linked pipeline
-    bin/dsa bundle verify NAME.tar          # every check `dsa run --bundle` makes, then a summary
-    bin/dsa bundle list NAME.tar            # the files, their sizes and digests
-    dsa bundle release NAME.tar DEST    # verify, then copy NAME.tar and NAME.sha256 into DEST
-
-The archive is a plain tar (GNU format, no compression) whose members are sorted by name and carry fixed
-metadata (mtime, owner, mode), so the same inputs give the same bytes in any checkout, on any machine. Its
-layout, format 1, is specified in docs/bundle-format.md: the vmfbs with their export records and compile
-reports, the parameter archive, the manifest and its runtime view, the target spec, the recipe lock
-(`lock.json`), a build report, an in-toto/SLSA provenance statement and `bundle.json` (format, identity,
-the digest and size of every other file, and the module index relative to the bundle root).
-
-A pipeline bundle (`dsa_bundle(pipeline = ...)`, "Pipeline bundles" in docs/bundle-format.md) holds several
-linked models: each stage's files as above, named `<stage>.<file>`, the link (`link.json`) and the pipeline
-index (`pipeline.json`); bundle.json says `"kind": "pipeline"` and lists the stages. One writer serves both
-(`write_bundle`: a single-model bundle is one unlinked stage, its files at the root) and one reader
-(`extract_bundle`; `OpenedBundle.stages` gives either kind as its list of models).
+"""Reading a release bundle: every check `dsa run BUNDLE` makes before a byte of it is used, and the verified
+bundle extracted (`open_bundle`, `extract_bundle`; `OpenedBundle.stages` gives each kind as its list of models).
+What a robot needs: no torch, no compiler. The writer is dsa.stages.bundle (the DsaBundle action), the format
+docs/bundle-format.md, the command `dsa bundle verify|list` (dsa/tools/bundle_cli.py).
 
 A reader refuses, with one message naming what failed: an archive whose sha256 differs from the
 `NAME.sha256` beside it, a truncated or padded archive, members that are not plain files with plain names,
@@ -31,663 +10,30 @@ a bundle format it does not read, and any file whose digest or size differs from
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
-import io
 import json
 import os
-import re
-import shutil
 import tarfile
 import tempfile
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from dsa.core.errors import DsaError, run_cli
-from dsa.core.fileio import atomic_output, canonical_json, read_json, sha256_file
-from dsa.core.formats import (BUILD_REPORT_FORMAT, BUNDLE_FORMAT, BUNDLE_FORMATS, EXECUTORCH_BUNDLE_FORMAT,
-                              MULTI_TARGET_BUNDLE_FORMAT, PIPELINE_INDEX_FORMAT, BuildReport, BundleMeta, CompileReport,
-                              ExportRecord, Link, Lock, ModuleIndex, MultiTargetBundleMeta, PipelineIndex, PteRecord)
-from dsa.core.runtime_flags import index_runtime_flags
-from dsa.runtime.policy import read_module_index
+# The member names (dsa.core.bundle_layout), importable from here too: what a bundle's reader looks for.
+from dsa.core.bundle_layout import (  # noqa: F401
+    BUILD_REPORT_JSON, BUNDLE_JSON, EXECUTORCH_KIND, INDEX_JSON, LINK_JSON, LOCK_JSON, MANIFEST_YAML, PARAMS_IRPA,
+    PIPELINE_JSON, PLAIN_NAME, POLICY_PIPELINE_CONFIG_JSON, POLICY_PIPELINE_JSON, PROGRAM_PTE, PROVENANCE_JSON,
+    PTE_RECORD_JSON, RUNTIME_VIEW_JSON, SHARED_MEMBERS, TARGET_SPEC_JSON)
+from dsa.core.errors import DsaError
+from dsa.core.fileio import canonical_json, read_json, sha256_file
+from dsa.core.formats import (BUNDLE_FORMAT, BUNDLE_FORMATS, EXECUTORCH_BUNDLE_FORMAT, MULTI_TARGET_BUNDLE_FORMAT,
+                              BuildReport, Lock, ModuleIndex, PteRecord)
+from dsa.core.tarfiles import BLOCK, DIGEST_LINE, RECORD, sidecar_path  # noqa: F401 (sidecar_path re-exported)
 
-
-# Fixed member metadata. The mtime is rules_pkg's "portable" 2000-01-01T00:00:00Z: a constant that every
-# tar implementation extracts without a warning (0, the epoch, draws "implausibly old time stamp").
-MTIME = 946684800
-FILE_MODE = 0o644
-TAR_FORMAT = tarfile.GNU_FORMAT  # no pax headers (they would carry times); base-256 sizes past 8 GiB
-BLOCK = tarfile.BLOCKSIZE
-RECORD = tarfile.RECORDSIZE
-
-BUNDLE_JSON = "bundle.json"
-LOCK_JSON = "lock.json"
-INDEX_JSON = "modules.json"
-BUILD_REPORT_JSON = "build_report.json"
-PROVENANCE_JSON = "provenance.intoto.json"
-MANIFEST_YAML = "manifest.yaml"
-RUNTIME_VIEW_JSON = "runtime_view.json"
-TARGET_SPEC_JSON = "target_spec.json"
-PARAMS_IRPA = "params.irpa"
-
-STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
-PREDICATE_TYPE = "https://slsa.dev/provenance/v1"
-# Identifies the structure of externalParameters/internalParameters; documented in docs/bundle-format.md.
-BUILD_TYPE = "https://rules-dsa.invalid/dsa_bundle/v1"
-BUILDER_ID = "https://rules-dsa.invalid/dsa_bundle"
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 # No member of a bundle may be larger (a full-size VLA's parameter archive is a few GB; the largest
 # parameter archive a 64-bit IREE runtime maps is far above this, a bundle beyond it is a mistake or an attack).
 MAX_MEMBER_BYTES = 64 << 30
-_DIGEST_LINE = re.compile(r"^([0-9a-f]{64})  (\S.*)$")
-
-
-@dataclasses.dataclass
-class ModuleInput:
-    """One compiled module to bundle: its vmfb with the export record and compile report it came with."""
-
-    name: str  # e.g. prompt_len_0; the bundle stores NAME.vmfb, NAME.export_record.json, NAME.compile_report.json
-    vmfb: Path
-    export_record: Path
-    compile_report: Path
-
-
-def digest_line(sha256: str, basename: str) -> str:
-    """The `.sha256` file's one line, in `sha256sum` form: `<hex>  <basename>`."""
-    return f"{sha256}  {basename}\n"
-
-
-def sidecar_path(archive: Path) -> Path:
-    """Where the digest of `archive` lives: NAME.sha256 beside NAME.tar."""
-    archive = Path(archive)
-    return archive.with_name((archive.name[:-len(".tar")] if archive.name.endswith(".tar") else archive.name)
-                             + ".sha256")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Writing
-
-
-def _json_bytes(obj) -> bytes:
-    return canonical_json(obj).encode("utf-8")
-
-
-def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.size = size
-    info.mtime = MTIME
-    info.mode = FILE_MODE
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    info.type = tarfile.REGTYPE
-    return info
-
-
-def _check_same(what: str, where: str, expected: Optional[str], actual: str, hint: str) -> None:
-    if expected is not None and expected != actual:
-        raise DsaError(where, f"{what} is {actual}, but the lock records {expected}", hint)
-
-
-def _build_report(lock: dict, records: Dict[str, dict], reports: Dict[str, dict], sizes: Dict[str, int],
-                  digests: Dict[str, str]) -> dict:
-    modules = []
-    for name in sorted(records):
-        record, report = records[name], reports[name]
-        histogram = record.get("op_histogram", {})
-        tools = dict(record.get("toolchain", {}))
-        if "iree_base_compiler" in report:
-            tools["iree-base-compiler"] = report["iree_base_compiler"]
-        modules.append({
-            "name": name,
-            "function": record.get("function"),
-            "bucket": record.get("bucket"),
-            "export": {
-                "op_histogram": dict(sorted(histogram.items())),
-                "op_count": sum(histogram.values()),
-                "parameter_count": record.get("parameter_count"),
-                "parameters_read": len(record.get("parameters", [])),
-                "mlir_sha256": record.get("mlir_sha256"),
-            },
-            "compile": {
-                "flags": report.get("flags", []),
-                "dispatch_count": report.get("dispatch_count"),
-                "executable_count": report.get("executable_count"),
-                "runtime_driver": report.get("runtime_driver"),
-            },
-            "sizes": {"vmfb_bytes": sizes[f"{name}.vmfb"]},
-            "tool_versions": dict(sorted(tools.items())),
-        })
-    toolchain = lock.get("toolchain", {})
-    return {
-        "format": BUILD_REPORT_FORMAT,
-        "model_id": lock["model_id"],
-        "target": lock["target"],
-        "toolchain": {
-            "lock_sha256": toolchain.get("lock_sha256"),
-            "python_version": toolchain.get("python_version"),
-            "installed": toolchain.get("installed", []),
-        },
-        "parameters": {"file": PARAMS_IRPA, "bytes": sizes[PARAMS_IRPA], "sha256": digests[PARAMS_IRPA]},
-        "modules": modules,
-        "sizes": {
-            "vmfb_bytes_total": sum(m["sizes"]["vmfb_bytes"] for m in modules),
-            "params_bytes": sizes[PARAMS_IRPA],
-        },
-    }
-
-
-def _provenance(lock: dict, subjects: Dict[str, str], manifest_source: str, bundle_name: Optional[str]) -> dict:
-    """An in-toto Statement v1 with a SLSA provenance v1 predicate. Deliberately without
-    runDetails.metadata (invocation id, start and finish times): they would make every build unique."""
-
-    def dep(name: str, sha256: str, role: str, **annotations) -> dict:
-        return {"name": name, "digest": {"sha256": sha256}, "annotations": dict(role=role, **annotations)}
-
-    toolchain = lock.get("toolchain", {})
-    deps = [
-        dep(manifest_source, lock["manifest"]["sha256"], "manifest"),
-        dep("checkpoint", lock["checkpoint"]["sha256"], "checkpoint"),
-        dep(f"target_spec/{lock['target']}.json", lock["target_spec"]["sha256"], "target_spec"),
-        dep("requirements_lock.txt", toolchain.get("lock_sha256", ""), "toolchain_lock",
-            python_version=toolchain.get("python_version"), installed=toolchain.get("installed", [])),
-    ]
-    deps += [dep(path, sha, "model_source") for path, sha in sorted(lock.get("model_sources", {}).items())]
-    deps += [dep(path, sha, "tool_source") for path, sha in sorted(lock.get("tool_sources", {}).items())]
-    external = {"model_id": lock["model_id"], "target": lock["target"], "manifest": manifest_source}
-    if bundle_name:
-        external["bundle"] = bundle_name
-    return {
-        "_type": STATEMENT_TYPE,
-        "subject": [{"name": name, "digest": {"sha256": sha}} for name, sha in sorted(subjects.items())],
-        "predicateType": PREDICATE_TYPE,
-        "predicate": {
-            "buildDefinition": {
-                "buildType": BUILD_TYPE,
-                "externalParameters": external,
-                "internalParameters": {
-                    "target_flags": lock["target_spec"].get("flags", []),
-                    "modules": [{"name": m["name"], "flags": m.get("flags", [])} for m in lock.get("modules", [])],
-                },
-                "resolvedDependencies": deps,
-            },
-            "runDetails": {"builder": {"id": BUILDER_ID, "version": {"bundle_format": str(BUNDLE_FORMAT)}}},
-        },
-    }
-
-
-@dataclasses.dataclass
-class _Stage:
-    """One model's files as a bundle holds them (names relative to the model's part of the bundle)."""
-
-    lock: dict
-    payload: Dict[str, Path]
-    records: Dict[str, dict]
-    reports: Dict[str, dict]
-    digests: Dict[str, str]
-    sizes: Dict[str, int]
-    index: dict
-
-
-def _collect(*, lock: Path, manifest: Path, runtime_view: Path, target_spec: Path, params: Path,
-             modules: Sequence[ModuleInput]) -> _Stage:
-    """Reads one model's files and checks them against its lock (so a bundle's lock always describes its own
-    files); returns them with their digests, sizes and module index."""
-    lock_path = Path(lock)
-    lock_data = Lock.read(lock_path)
-    if not modules:
-        raise DsaError("dsa-bundle", "no modules to bundle", "pass at least one --module")
-
-    payload: Dict[str, Path] = {
-        LOCK_JSON: lock_path,
-        MANIFEST_YAML: Path(manifest),
-        RUNTIME_VIEW_JSON: Path(runtime_view),
-        TARGET_SPEC_JSON: Path(target_spec),
-        PARAMS_IRPA: Path(params),
-    }
-    records: Dict[str, dict] = {}
-    reports: Dict[str, dict] = {}
-    for m in modules:
-        if not _NAME.match(m.name) or m.name in records:
-            raise DsaError("dsa-bundle", f"module name '{m.name}' is not a plain, unique file name",
-                           "name modules with letters, digits, '_', '.', '-'")
-        payload[f"{m.name}.vmfb"] = Path(m.vmfb)
-        payload[f"{m.name}.export_record.json"] = Path(m.export_record)
-        payload[f"{m.name}.compile_report.json"] = Path(m.compile_report)
-        records[m.name] = ExportRecord.read(m.export_record)
-        reports[m.name] = CompileReport.read(m.compile_report)
-
-    digests = {name: sha256_file(path) for name, path in payload.items()}
-    sizes = {name: path.stat().st_size for name, path in payload.items()}
-
-    # The lock must describe exactly these files.
-    where = str(lock_path)
-    rebuild = "rebuild the bundle from one consistent build (the lock and the files come from different builds)"
-    _check_same("the manifest's sha256", where, lock_data["manifest"]["sha256"], digests[MANIFEST_YAML], rebuild)
-    _check_same("the target spec's sha256", where, lock_data["target_spec"]["sha256"], digests[TARGET_SPEC_JSON],
-                f"pass --target-spec toolchains/targets/{lock_data.get('target')}.json, the spec file the lock "
-                "was made from")
-    _check_same("the runtime view's sha256", where, lock_data.get("views", {}).get("runtime"),
-                digests[RUNTIME_VIEW_JSON], rebuild)
-    for name, sha in lock_data.get("artifacts", {}).items():
-        if name in digests:
-            _check_same(f"{name}'s sha256", where, sha, digests[name], rebuild)
-    locked = sorted(m["name"] for m in lock_data.get("modules", []))
-    if locked != sorted(records):
-        raise DsaError(where, f"locks modules {locked}, but the bundle is given {sorted(records)}", rebuild)
-    for name, record in records.items():
-        if record.get("model_id") != lock_data["model_id"]:
-            raise DsaError(f"{name}.export_record.json", f"is for model '{record.get('model_id')}', the lock "
-                           f"for '{lock_data['model_id']}'", rebuild)
-
-    scopes = {r.get("parameter_scope", "model") for r in records.values()}
-    if len(scopes) != 1:
-        raise DsaError("dsa-bundle", f"modules use different parameter scopes {sorted(scopes)}",
-                       "bundle modules of one model")
-    index = ModuleIndex(
-        target=lock_data["target"],
-        target_spec=TARGET_SPEC_JSON,
-        parameter_archive=PARAMS_IRPA,
-        parameter_scope=scopes.pop(),
-        runtime_view=RUNTIME_VIEW_JSON,
-        modules=tuple((f"{name}.vmfb", f"{name}.export_record.json") for name in sorted(records)),
-        runtime_flags=index_runtime_flags(reports[name] for name in sorted(records)),
-    ).to_json()
-    return _Stage(lock_data, payload, records, reports, digests, sizes, index)
-
-
-def _write_archive(out: Path, payload: Dict[str, Path], generated: Dict[str, bytes], sizes: Dict[str, int],
-                   digest_out: Optional[Path]) -> str:
-    names = sorted(set(payload) | set(generated))
-    with atomic_output(out) as tmp:
-        with open(tmp, "wb") as raw:
-            with tarfile.open(fileobj=raw, mode="w", format=TAR_FORMAT) as tar:
-                for name in names:
-                    if name in generated:
-                        data = generated[name]
-                        tar.addfile(_tarinfo(name, len(data)), io.BytesIO(data))
-                    else:
-                        with open(payload[name], "rb") as f:
-                            tar.addfile(_tarinfo(name, sizes[name]), f)
-    sha = sha256_file(out)
-    digest_out = Path(digest_out) if digest_out else sidecar_path(out)
-    with atomic_output(digest_out) as tmp:
-        tmp.write_text(digest_line(sha, out.name), encoding="utf-8")
-    return sha
-
-
-def _member_digests(payload: Dict[str, Path], generated: Dict[str, bytes]) -> Tuple[Dict[str, str], Dict[str, int]]:
-    """The sha256 and size of every member: the files to copy and the generated ones."""
-    digests: Dict[str, str] = {}
-    sizes: Dict[str, int] = {}
-    for name, path in payload.items():
-        digests[name], sizes[name] = sha256_file(path), path.stat().st_size
-    for name, data in generated.items():
-        digests[name], sizes[name] = hashlib.sha256(data).hexdigest(), len(data)
-    return digests, sizes
-
-
-@dataclasses.dataclass
-class StageInput:
-    """One model's files to bundle: its lock, manifest, views, parameters and compiled modules. A single-model
-    bundle is one unlinked stage; a pipeline bundle is several stages and their link."""
-
-    name: str  # the stage name link.json uses; in a pipeline bundle the stage's members are `<name>.<member>`
-    lock: Path
-    manifest: Path
-    runtime_view: Path
-    target_spec: Path
-    params: Path
-    modules: Sequence[ModuleInput]
-    manifest_source: Optional[str] = None
-
-    @property
-    def source(self) -> str:
-        return self.manifest_source or Path(self.manifest).name
-
-
-LINK_JSON = "link.json"
-PIPELINE_JSON = "pipeline.json"
-POLICY_PIPELINE_JSON = "policy_pipeline.json"  # dsa.runtime.policy_pipeline.POLICY_PIPELINE_JSON
-POLICY_PIPELINE_CONFIG_JSON = "policy_config.json"  # dsa.runtime.policy_pipeline.POLICY_CONFIG_JSON
-
-
-def _prefixed_index(index: dict, prefix: str, shared: Sequence[str] = ()) -> dict:
-    """A model's module index with its files named `<prefix><file>`, except the `shared` ones (at the root)."""
-    out = dict(index)
-    for key in ("parameter_archive", "runtime_view", "target_spec"):
-        if index[key] not in shared:
-            out[key] = prefix + index[key]
-    out["modules"] = [{"vmfb": prefix + m["vmfb"], "record": prefix + m["record"]} for m in index["modules"]]
-    return out
-
-
-def _pipeline_provenance(collected, digests: Dict[str, str], bundle_name: str, target: str) -> dict:
-    """One statement for a pipeline: every member as a subject, every stage's inputs as dependencies (the
-    shared tool sources and toolchain once)."""
-    statement = None
-    deps: List[dict] = []
-    seen = set()
-    for s, c, _ in collected:
-        one = _provenance(c.lock, digests, s.source, bundle_name)
-        if statement is None:
-            statement = one
-        for dep in one["predicate"]["buildDefinition"]["resolvedDependencies"]:
-            role = dep["annotations"]["role"]
-            if role in ("tool_source", "toolchain_lock"):
-                key = (dep["name"], dep["digest"]["sha256"])
-                if key in seen:
-                    continue
-                seen.add(key)
-            else:
-                dep = dict(dep, annotations=dict(dep["annotations"], stage=s.name))
-                if role == "checkpoint":
-                    dep["name"] = f"{s.name}.checkpoint"
-            deps.append(dep)
-    definition = statement["predicate"]["buildDefinition"]
-    definition["externalParameters"] = {
-        "model_id": bundle_name, "target": target, "bundle": bundle_name,
-        "stages": [{"name": s.name, "model_id": c.lock["model_id"], "manifest": s.source} for s, c, _ in collected],
-    }
-    definition["internalParameters"] = {
-        "target_flags": collected[0][1].lock["target_spec"].get("flags", []),
-        "modules": [{"name": f"{s.name}.{m['name']}", "flags": m.get("flags", [])}
-                    for s, c, _ in collected for m in c.lock.get("modules", [])],
-    }
-    definition["resolvedDependencies"] = deps
-    return statement
-
-
-def write_bundle(out: Path, stages: Sequence[StageInput], *, link: Optional[Path] = None,
-                 digest_out: Optional[Path] = None, processors: Optional[Sequence[Path]] = None,
-                 policy_config: Optional[Path] = None) -> str:
-    """The bundle writer: writes the archive `out` (and `digest_out`, default NAME.sha256 beside it) and
-    returns its sha256.
-
-    Without `link` there is exactly one stage and its files lie at the archive root (a single-model bundle);
-    with `link` (a dsa_pipeline's link.json) each stage's files are named `<stage>.<member>` and the link and
-    the pipeline index are added (docs/bundle-format.md, "Pipeline bundles"). Either way every stage's files
-    are checked against its lock, and a linked stage's export records against the link, so the bundle's lock
-    and link describe its own files. The result depends only on the contents of the inputs and on each
-    stage's `manifest_source` (its repository-relative name), never on where the inputs are."""
-    out = Path(out)
-    bundle_name = out.name[:-len(".tar")] if out.name.endswith(".tar") else out.name
-    payload: Dict[str, Path] = {}
-    generated: Dict[str, bytes] = {}
-    linked = link is not None
-    if linked:
-        link_path = Path(link)
-        link_data = Link.read(link_path)
-        names = [s.name for s in stages]
-        in_link = [s["name"] for s in link_data["stages"]]
-        if names != in_link:
-            raise DsaError(str(link_path), f"links stages {in_link}, but the bundle is given {names}",
-                           "bundle the stages of this link, in its order")
-        payload[LINK_JSON] = link_path
-    elif len(stages) != 1:
-        raise DsaError("dsa-bundle", f"{len(stages)} models to bundle without a link",
-                       "bundle one model (dsa_bundle(module = ...)), or several linked by a dsa_pipeline "
-                       "(dsa_bundle(pipeline = ...))")
-
-    collected: List[Tuple[StageInput, _Stage, dict]] = []
-    for n, stage in enumerate(stages):
-        if linked and not _NAME.match(stage.name):
-            raise DsaError("dsa-bundle", f"stage name '{stage.name}' is not a plain file name")
-        c = _collect(lock=stage.lock, manifest=stage.manifest, runtime_view=stage.runtime_view,
-                     target_spec=stage.target_spec, params=stage.params, modules=stage.modules)
-        prefix = stage.name + "." if linked else ""
-        if linked:
-            records = [c.digests[m["record"]] for m in c.index["modules"]]
-            if sorted(records) != sorted(link_data["stages"][n]["export_records"]):
-                raise DsaError(str(link_path), f"stage {stage.name}: the link was checked against other export "
-                               "records than the bundle's", "rebuild the pipeline and the bundle from one build")
-        for name, path in c.payload.items():
-            payload[prefix + name] = path
-        index = _prefixed_index(c.index, prefix)
-        generated[prefix + INDEX_JSON] = ModuleIndex.from_json(index, prefix + INDEX_JSON).text().encode("utf-8")
-        collected.append((stage, c, index))
-
-    targets = sorted({c.lock["target"] for _, c, _ in collected})
-    if len(targets) != 1:
-        raise DsaError("dsa-bundle", f"the stages are compiled for different targets {targets}",
-                       "bundle one target's modules")
-    reports = [_build_report(c.lock, c.records, c.reports, c.sizes, c.digests) for _, c, _ in collected]
-    if linked:
-        pipeline = {
-            "format": PIPELINE_INDEX_FORMAT,
-            "link": LINK_JSON,
-            "stages": [{"name": s.name, "index": s.name + "." + INDEX_JSON} for s, _, _ in collected],
-        }
-        generated[PIPELINE_JSON] = PipelineIndex.dumps(pipeline)
-        generated[BUILD_REPORT_JSON] = BuildReport.dumps({
-            "format": BUILD_REPORT_FORMAT, "model_id": bundle_name, "target": targets[0],
-            "stages": [dict(report, stage=s.name) for (s, _, _), report in zip(collected, reports)],
-        })
-    else:
-        if processors is not None:
-            reports[0]["policy_pipeline"] = _add_policy_pipeline(collected[0], processors, policy_config,
-                                                                 payload, generated)
-        generated[BUILD_REPORT_JSON] = BuildReport.dumps(reports[0])
-
-    digests, sizes = _member_digests(payload, generated)
-    if linked:
-        statement = _pipeline_provenance(collected, digests, bundle_name, targets[0])
-    else:
-        statement = _provenance(collected[0][1].lock, digests, collected[0][0].source, bundle_name)
-    provenance = _json_bytes(statement)
-    generated[PROVENANCE_JSON] = provenance
-    digests[PROVENANCE_JSON], sizes[PROVENANCE_JSON] = hashlib.sha256(provenance).hexdigest(), len(provenance)
-
-    def stage_meta(s: StageInput, c: _Stage, index: dict) -> dict:
-        prefix = s.name + "." if linked else ""
-        return {"model_id": c.lock["model_id"], "manifest": prefix + MANIFEST_YAML, "manifest_source": s.source,
-                "lock": prefix + LOCK_JSON, "index_file": prefix + INDEX_JSON, "index": index}
-
-    common = {"format": BUNDLE_FORMAT, "target": targets[0], "build_report": BUILD_REPORT_JSON,
-              "provenance": PROVENANCE_JSON}
-    if linked:
-        meta = dict(common, kind="pipeline", model_id=bundle_name, link=LINK_JSON, pipeline_file=PIPELINE_JSON,
-                    pipeline=pipeline, stages=[dict(stage_meta(*entry), name=entry[0].name) for entry in collected])
-    else:
-        meta = dict(common, **stage_meta(*collected[0]))
-        if processors is not None:
-            meta["policy_pipeline"] = POLICY_PIPELINE_JSON
-    meta["files"] = {name: {"sha256": digests[name], "size": sizes[name]} for name in sorted(digests)}
-    generated[BUNDLE_JSON] = BundleMeta.dumps(meta)
-    return _write_archive(out, payload, generated, sizes, digest_out)
-
-
-def _add_policy_pipeline(collected, processors: Sequence[Path], policy_config: Optional[Path],
-                         payload: Dict[str, Path], generated: Dict[str, bytes]) -> List[dict]:
-    """Adds the policy's processor files, config.json and policy_pipeline.json to a single-model bundle; returns
-    the pipeline's nodes for the build report (name, implementation, the digests of what each reads)."""
-    from dsa.runtime.policy_pipeline import describe, pinned_files
-
-    stage, c, _ = collected
-    if policy_config is None:
-        raise DsaError("dsa-bundle create", "--processor needs --policy-config (the policy's config.json)")
-    # The runtime view carries the processors' pins (checked against the lock in _collect); the manifest is
-    # not parsed here (the runtime layer reads no YAML).
-    manifest = read_json(stage.runtime_view)
-    members = pinned_files(manifest, stage.source or str(stage.manifest), processors, Path(policy_config))
-    for name, path in members.items():
-        if name in payload or name == POLICY_PIPELINE_JSON:
-            raise DsaError("dsa-bundle create", f"processor file '{name}' has the name of a bundle member",
-                           "rename the module or the file")
-        payload[name] = path
-    spec = describe(manifest, stage.source or str(stage.manifest), members, c.records,
-                    {name: c.digests[f"{name}.vmfb"] for name in c.records})
-    generated[POLICY_PIPELINE_JSON] = _json_bytes(spec)
-    report = []
-    for node in spec["nodes"]:
-        entry = {"name": node["name"], "implementation": node["implementation"]}
-        digests = {}
-        for key in ("pipeline", "state_file", "tokenizer"):
-            if key in node:
-                digests[node[key]["file"]] = node[key]["sha256"]
-        if "modules" in node:
-            digests.update({f"{n}.vmfb": sha for n, sha in node["modules"].items()})
-        if digests:
-            entry["sha256"] = digests
-        report.append(entry)
-    return report
-
-
-# The files every target of a multi-target bundle shares, at the archive root: parameters do not depend on the
-# target, nor do the manifest and its runtime view.
-SHARED_MEMBERS = (MANIFEST_YAML, PARAMS_IRPA, RUNTIME_VIEW_JSON)
-
-
-def write_multi_target_bundle(out: Path, targets: Sequence[StageInput], *,
-                              digest_out: Optional[Path] = None) -> str:
-    """One model's modules for several targets in one archive (format 2, docs/bundle-format.md "Multi-target
-    bundles"): one parameter archive, manifest and runtime view at the root, each target's lock, target spec,
-    module index and modules under `<target>.` names. `targets` are in preference order: `dsa run` runs the
-    first one this machine can execute. Refused unless every target's files come from one build of one model
-    (same manifest, checkpoint, parameters and runtime view) and no target appears twice."""
-    out = Path(out)
-    bundle_name = out.name[:-len(".tar")] if out.name.endswith(".tar") else out.name
-    if len(targets) < 2:
-        raise DsaError("dsa-bundle", f"{len(targets)} target(s) for a multi-target bundle",
-                       "bundle one target's modules with dsa_bundle(module = ...), several with modules = [...]")
-    collected: List[Tuple[StageInput, _Stage]] = []
-    for t in targets:
-        c = _collect(lock=t.lock, manifest=t.manifest, runtime_view=t.runtime_view, target_spec=t.target_spec,
-                     params=t.params, modules=t.modules)
-        collected.append((t, c))
-    names = [c.lock["target"] for _, c in collected]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise DsaError("dsa-bundle", f"target {', '.join(twice)} is given more than once (targets {names})",
-                       "give each target's modules once; a build with --//:target compiles every dsa_vmfb for that "
-                       "one target: build a multi-target bundle without it")
-    for n in names:
-        if not _NAME.match(n):
-            raise DsaError("dsa-bundle", f"target name '{n}' is not a plain file name")
-    first_t, first = collected[0]
-    same = (("model_id", lambda c: c.lock["model_id"]), ("manifest", lambda c: c.digests[MANIFEST_YAML]),
-            ("checkpoint", lambda c: c.lock["checkpoint"]["sha256"]),
-            ("parameter archive", lambda c: c.digests[PARAMS_IRPA]),
-            ("runtime view", lambda c: c.digests[RUNTIME_VIEW_JSON]))
-    for what, key in same:
-        for t, c in collected[1:]:
-            if key(c) != key(first):
-                raise DsaError("dsa-bundle", f"the {what} of target {c.lock['target']} differs from target "
-                               f"{first.lock['target']}'s ({key(c)} vs {key(first)})",
-                               "a multi-target bundle holds one model's modules, compiled from one export and "
-                               "one parameter archive: bundle dsa_vmfb targets of the same dsa_model")
-
-    payload: Dict[str, Path] = {name: first.payload[name] for name in SHARED_MEMBERS}
-    generated: Dict[str, bytes] = {}
-    tables = []
-    for t, c in collected:
-        target = c.lock["target"]
-        prefix = target + "."
-        for name, path in c.payload.items():
-            if name not in SHARED_MEMBERS:
-                payload[prefix + name] = path
-        index = _prefixed_index(c.index, prefix, SHARED_MEMBERS)
-        generated[prefix + INDEX_JSON] = ModuleIndex.from_json(index, prefix + INDEX_JSON).text().encode("utf-8")
-        spec = read_json(c.payload[TARGET_SPEC_JSON])
-        tables.append({"target": target, "runtime_driver": spec.get("runtime_driver", "local-task"),
-                       "lock": prefix + LOCK_JSON, "target_spec": prefix + TARGET_SPEC_JSON,
-                       "index_file": prefix + INDEX_JSON, "index": index})
-    reports = [_build_report(c.lock, c.records, c.reports, c.sizes, c.digests) for _, c in collected]
-    generated[BUILD_REPORT_JSON] = BuildReport.dumps({
-        "format": BUILD_REPORT_FORMAT, "model_id": first.lock["model_id"], "targets": reports,
-        "parameters": reports[0]["parameters"],
-    })
-
-    digests, sizes = _member_digests(payload, generated)
-
-    # One statement: every member a subject; the model's inputs once, each target's spec and flags.
-    statement = _provenance(first.lock, digests, first_t.source, bundle_name)
-    definition = statement["predicate"]["buildDefinition"]
-    deps = [d for d in definition["resolvedDependencies"] if d["annotations"]["role"] != "target_spec"]
-    deps[2:2] = [{"name": f"target_spec/{c.lock['target']}.json", "digest": {"sha256": c.lock["target_spec"]["sha256"]},
-                  "annotations": {"role": "target_spec", "target": c.lock["target"]}} for _, c in collected]
-    definition["resolvedDependencies"] = deps
-    definition["externalParameters"] = {"model_id": first.lock["model_id"], "targets": names,
-                                        "manifest": first_t.source, "bundle": bundle_name}
-    definition["internalParameters"] = {"targets": [
-        {"target": c.lock["target"], "target_flags": c.lock["target_spec"].get("flags", []),
-         "modules": [{"name": m["name"], "flags": m.get("flags", [])} for m in c.lock.get("modules", [])]}
-        for _, c in collected]}
-    statement["predicate"]["runDetails"]["builder"]["version"]["bundle_format"] = str(MULTI_TARGET_BUNDLE_FORMAT)
-    provenance = _json_bytes(statement)
-    generated[PROVENANCE_JSON] = provenance
-    digests[PROVENANCE_JSON], sizes[PROVENANCE_JSON] = hashlib.sha256(provenance).hexdigest(), len(provenance)
-
-    meta = {"format": MULTI_TARGET_BUNDLE_FORMAT, "kind": "multi-target", "model_id": first.lock["model_id"],
-            "manifest": MANIFEST_YAML, "manifest_source": first_t.source, "parameter_archive": PARAMS_IRPA,
-            "runtime_view": RUNTIME_VIEW_JSON, "build_report": BUILD_REPORT_JSON, "provenance": PROVENANCE_JSON,
-            "targets": tables}
-    meta["files"] = {name: {"sha256": digests[name], "size": sizes[name]} for name in sorted(digests)}
-    generated[BUNDLE_JSON] = MultiTargetBundleMeta.dumps(meta)
-    return _write_archive(out, payload, generated, sizes, digest_out)
-
-
-def create_bundle(out: Path, *, lock: Path, manifest: Path, runtime_view: Path, target_spec: Path, params: Path,
-                  modules: Sequence[ModuleInput], manifest_source: Optional[str] = None,
-                  digest_out: Optional[Path] = None, processors: Optional[Sequence[Path]] = None,
-                  policy_config: Optional[Path] = None) -> str:
-    """A single-model bundle: write_bundle of one unlinked stage."""
-    stage = StageInput(name="", lock=Path(lock), manifest=Path(manifest), runtime_view=Path(runtime_view),
-                       target_spec=Path(target_spec), params=Path(params), modules=modules,
-                       manifest_source=manifest_source)
-    return write_bundle(out, [stage], digest_out=digest_out, processors=processors, policy_config=policy_config)
-
-
-def pipeline_inputs(pipeline_index: Path, manifests: Dict[str, Tuple[Path, Optional[str]]]) -> dict:
-    """write_bundle's arguments from a pipeline index (dsa_pipeline's NAME.pipeline.json) and each
-    stage's manifest (stage name → (path, repository-relative name))."""
-    pipeline_index = Path(pipeline_index)
-    if not pipeline_index.is_file():
-        raise DsaError(str(pipeline_index), "no such pipeline index", "build the dsa_pipeline first")
-    data = PipelineIndex.read(pipeline_index)
-    base = pipeline_index.parent
-    if not (base / data["link"]).is_file():
-        raise DsaError(str(base / data["link"]), "no such link file", "build the dsa_pipeline first")
-    stages = []
-    for entry in data["stages"]:
-        if entry["name"] not in manifests:
-            raise DsaError("dsa-bundle create", f"no manifest for stage '{entry['name']}'",
-                           f"pass --stage-manifest {entry['name']}=MANIFEST")
-        files = inputs_from_index(base / entry["index"])
-        path, source = manifests[entry["name"]]
-        stages.append(StageInput(entry["name"], manifest=Path(path), manifest_source=source, **files))
-    extra = sorted(set(manifests) - {e["name"] for e in data["stages"]})
-    if extra:
-        raise DsaError("dsa-bundle create", f"--stage-manifest names no stage of the pipeline: {', '.join(extra)}")
-    return dict(link=base / data["link"], stages=stages)
-
-
-def inputs_from_index(index: Path, *, lock: Optional[Path] = None, target_spec: Optional[Path] = None) -> dict:
-    """create_bundle's file arguments from a module index (`dsa_vmfb`'s NAME.modules.json in a runfiles tree,
-    or `dsa compile`'s TARGET.modules.json): each module's compile report lies beside its vmfb, the lock
-    beside the index (NAME.lock.json) unless given. The manifest is not in the index: pass it as well."""
-    index = Path(index)
-    data = read_module_index(index)
-    base = index.parent
-    stem = index.name[:-len(".modules.json")] if index.name.endswith(".modules.json") else index.stem
-    modules = []
-    for m in data["modules"]:
-        vmfb = base / m["vmfb"]
-        name = vmfb.name[:-len(".vmfb")]
-        modules.append(ModuleInput(name, vmfb, base / m["record"], vmfb.with_name(name + ".compile_report.json")))
-    return dict(
-        lock=Path(lock) if lock else base / f"{stem}.lock.json",
-        runtime_view=base / data["runtime_view"],
-        target_spec=Path(target_spec) if target_spec else base / data["target_spec"],
-        params=base / data["parameter_archive"],
-        modules=modules,
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Reading
 
 
 @dataclasses.dataclass(frozen=True)
@@ -886,6 +232,10 @@ def _is_multi_target(meta: dict) -> bool:
     return meta.get("kind") == "multi-target"
 
 
+def _is_executorch(meta: dict) -> bool:
+    return meta.get("kind") == EXECUTORCH_KIND
+
+
 def check_archive_digest(archive: Path) -> Tuple[str, Optional[Path]]:
     """The archive's sha256, checked against NAME.sha256 beside it when that exists."""
     archive = Path(archive)
@@ -896,7 +246,7 @@ def check_archive_digest(archive: Path) -> Tuple[str, Optional[Path]]:
     if not sidecar.is_file():
         return sha, None
     text = sidecar.read_text(encoding="utf-8", errors="replace").strip()
-    match = _DIGEST_LINE.match(text)
+    match = DIGEST_LINE.match(text)
     if not match or "\n" in text:
         raise DsaError(str(sidecar), "is not one `<sha256>  <file name>` line",
                        "restore it from the release, or delete it to check the files against bundle.json only")
@@ -923,7 +273,7 @@ def _extract(archive: Path, dest: Path, listed: Dict[str, dict]) -> Dict[str, Tu
         with tarfile.open(archive, mode="r:") as tar:
             for member in tar:
                 name = member.name
-                if not member.isreg() or not _NAME.match(name) or name in found:
+                if not member.isreg() or not PLAIN_NAME.match(name) or name in found:
                     kind = "a duplicate of an earlier member" if name in found else (
                         "not a plain file" if not member.isreg() else "not a plain file name")
                     raise DsaError(f"{archive}: member '{name}'", f"is {kind}",
@@ -978,80 +328,6 @@ def _extract(archive: Path, dest: Path, listed: Dict[str, dict]) -> Dict[str, Tu
     return found
 
 
-# -- ExecuTorch bundles (format 3): the Plan B program with its provenance ---------------------------------
-
-PROGRAM_PTE = "program.pte"
-PTE_RECORD_JSON = "pte_record.json"
-EXECUTORCH_KIND = "executorch"
-PTE_BUILD_TYPE = "https://rules-dsa.invalid/dsa_pte/v1"
-
-
-def _pte_provenance(record: dict, subjects: Dict[str, str], manifest_source: str, bundle_name: str) -> dict:
-    """The in-toto/SLSA statement of an ExecuTorch bundle: the same shape as a vmfb bundle's, its
-    dependencies the digests the DsaPte action recorded (manifest, views, checkpoint, model and stage code,
-    environment)."""
-    source = record.get("provenance") or {}
-
-    def dep(name: str, sha256: str, role: str, **annotations) -> dict:
-        return {"name": name, "digest": {"sha256": sha256}, "annotations": dict(role=role, **annotations)}
-
-    toolchain = source.get("toolchain", {})
-    deps = [dep(manifest_source, source.get("manifest", {}).get("sha256", ""), "manifest"),
-            dep("checkpoint", source.get("checkpoint", {}).get("sha256", ""), "checkpoint"),
-            dep("requirements_executorch_lock.txt", toolchain.get("lock_sha256", ""), "toolchain_lock",
-                python_version=toolchain.get("python_version"), installed=toolchain.get("installed", []))]
-    deps += [dep(f"view/{name}", sha, "manifest_view") for name, sha in sorted(source.get("views", {}).items())]
-    deps += [dep(path, sha, "model_source") for path, sha in sorted(source.get("model_sources", {}).items())]
-    deps += [dep(path, sha, "tool_source") for path, sha in sorted(source.get("tool_sources", {}).items())]
-    return {
-        "_type": STATEMENT_TYPE,
-        "subject": [{"name": name, "digest": {"sha256": sha}} for name, sha in sorted(subjects.items())],
-        "predicateType": PREDICATE_TYPE,
-        "predicate": {
-            "buildDefinition": {
-                "buildType": PTE_BUILD_TYPE,
-                "externalParameters": {"model_id": record["model_id"], "backend": record.get("backend"),
-                                       "manifest": manifest_source, "bundle": bundle_name},
-                "internalParameters": {"toolchain": record.get("toolchain", {}), "dims": record.get("dims", {})},
-                "resolvedDependencies": deps,
-            },
-            "runDetails": {"builder": {"id": BUILDER_ID,
-                                       "version": {"bundle_format": str(EXECUTORCH_BUNDLE_FORMAT)}}},
-        },
-    }
-
-
-def write_pte_bundle(out: Path, *, pte: Path, record: Path, manifest: Path, runtime_view: Path,
-                     manifest_source: Optional[str] = None, digest_out: Optional[Path] = None) -> str:
-    """An ExecuTorch bundle (format 3, kind "executorch"): the .pte, its program record, the manifest and its
-    runtime view, a provenance statement and bundle.json. The record must describe exactly this program and
-    manifest (its digests were taken by the action that built the program)."""
-    out = Path(out)
-    data = PteRecord.read(record)
-    rebuild = "rebuild the bundle from one consistent build (the program and its record come from different builds)"
-    _check_same("the program's sha256", str(record), data["pte_sha256"], sha256_file(pte), rebuild)
-    recorded_manifest = (data.get("provenance") or {}).get("manifest", {}).get("sha256")
-    _check_same("the manifest's sha256", str(record), recorded_manifest, sha256_file(manifest), rebuild)
-    payload = {PROGRAM_PTE: Path(pte), PTE_RECORD_JSON: Path(record), MANIFEST_YAML: Path(manifest),
-               RUNTIME_VIEW_JSON: Path(runtime_view)}
-    digests, sizes = _member_digests(payload, {})
-    name = out.name[:-len(".tar")] if out.name.endswith(".tar") else out.name
-    provenance = _json_bytes(_pte_provenance(data, digests, manifest_source or _source_name(Path(manifest)), name))
-    generated = {PROVENANCE_JSON: provenance}
-    digests[PROVENANCE_JSON], sizes[PROVENANCE_JSON] = hashlib.sha256(provenance).hexdigest(), len(provenance)
-    meta = {"format": EXECUTORCH_BUNDLE_FORMAT, "kind": EXECUTORCH_KIND, "model_id": data["model_id"],
-            "program": PROGRAM_PTE, "record": PTE_RECORD_JSON, "manifest": MANIFEST_YAML,
-            "runtime_view": RUNTIME_VIEW_JSON, "provenance": PROVENANCE_JSON,
-            "files": {n: {"sha256": digests[n], "size": sizes[n]} for n in sorted(digests)}}
-    generated[BUNDLE_JSON] = _json_bytes(meta)
-    sizes[BUNDLE_JSON] = len(generated[BUNDLE_JSON])
-    return _write_archive(out, payload, generated, sizes, digest_out)
-
-
-def _is_executorch(meta: dict) -> bool:
-    return meta.get("kind") == EXECUTORCH_KIND
-
-
 def extract_pte_bundle(archive: Path, dest: Path) -> dict:
     """Verifies an ExecuTorch bundle into `dest` (sidecar digest, structure, every file against bundle.json, the
     program against its record); returns bundle.json."""
@@ -1067,7 +343,7 @@ def extract_pte_bundle(archive: Path, dest: Path) -> dict:
             and not isinstance(e.get("size"), bool) and 0 <= e["size"] <= MAX_MEMBER_BYTES for e in listed.values()):
         raise DsaError(f"{archive}: {BUNDLE_JSON}", "is malformed: 'files' must map each file to its sha256 and size",
                        "this is not a bundle dsa_bundle made")
-    if sorted(n for n in listed if not isinstance(n, str) or not _NAME.match(n) or n == BUNDLE_JSON):
+    if sorted(n for n in listed if not isinstance(n, str) or not PLAIN_NAME.match(n) or n == BUNDLE_JSON):
         raise DsaError(f"{archive}: {BUNDLE_JSON}", "lists a name that is not a plain file name",
                        "this is not a bundle dsa_bundle made")
     for key in ("program", "record", "manifest", "runtime_view", "provenance"):
@@ -1154,7 +430,7 @@ def extract_bundle(archive: Path, dest: Path) -> OpenedBundle:
                        f"and size (at most {MAX_MEMBER_BYTES} bytes), 'index' must be the module index "
                        "('targets' the targets' tables, each with its index, in a multi-target bundle)",
                        "this is not a bundle dsa_bundle made")
-    bad_names = sorted(n for n in listed if not isinstance(n, str) or not _NAME.match(n) or n == BUNDLE_JSON)
+    bad_names = sorted(n for n in listed if not isinstance(n, str) or not PLAIN_NAME.match(n) or n == BUNDLE_JSON)
     if bad_names:
         raise DsaError(f"{archive}: {BUNDLE_JSON}", f"lists '{bad_names[0]}', which is not a plain file name",
                        "bundles hold plain files at their root only; this is not a bundle dsa_bundle made")
@@ -1228,7 +504,7 @@ def _has_index(meta: dict) -> bool:
     if _is_multi_target(meta):
         targets = meta.get("targets")
         return (isinstance(targets, list) and bool(targets) and all(
-            isinstance(t, dict) and isinstance(t.get("target"), str) and _NAME.match(t["target"])
+            isinstance(t, dict) and isinstance(t.get("target"), str) and PLAIN_NAME.match(t["target"])
             and isinstance(t.get("index"), dict) for t in targets)
             and len({t["target"] for t in targets}) == len(targets))
     return isinstance(meta.get("pipeline" if _is_pipeline(meta) else "index"), dict)
@@ -1364,41 +640,6 @@ def open_bundle(archive: Path) -> Iterator[OpenedBundle]:
         yield extract_bundle(Path(archive), Path(tmp))
 
 
-def release(archive: Path, dest: Path, *, public_key: Optional[Path] = None) -> Tuple[Path, Path]:
-    """Verifies `archive`, then copies it and its NAME.sha256 into directory `dest` (created if missing). With
-    `public_key`, the archive must carry a valid signature by it (NAME.dsse.json), which is copied too."""
-    archive = Path(archive)
-    if public_key is not None:
-        from dsa.runtime.signing import verify_signature
-
-        verify_signature(archive, public_key)
-    with open_bundle(archive) as b:
-        sha = b.sha256
-    dest = Path(dest)
-    if dest.exists() and not dest.is_dir():
-        raise DsaError(str(dest), "exists and is not a directory", "pass a directory to release into")
-    dest.mkdir(parents=True, exist_ok=True)
-    out = dest / archive.name
-    with atomic_output(out) as tmp:
-        shutil.copyfile(archive, tmp)
-        os.chmod(tmp, 0o644)  # Bazel's outputs are read-only
-    if sha256_file(out) != sha:
-        raise DsaError(str(out), "differs from the verified archive after copying", "check the disk")
-    digest = sidecar_path(out)
-    with atomic_output(digest) as tmp:
-        tmp.write_text(digest_line(sha, out.name), encoding="utf-8")
-    if public_key is not None:
-        from dsa.runtime.signing import signature_path
-
-        with atomic_output(signature_path(out)) as tmp:
-            shutil.copyfile(signature_path(archive), tmp)
-    return out, digest
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Command line
-
-
 def user_path(value: str) -> Path:
     """A path from the command line: as given when it exists, else relative to the directory `bazel run` was
     started in (BUILD_WORKING_DIRECTORY; `bazel run` itself runs in the runfiles tree)."""
@@ -1407,178 +648,3 @@ def user_path(value: str) -> Path:
     if path.is_absolute() or path.exists() or not base:
         return path
     return Path(base) / path
-
-
-def _source_name(path: Path) -> str:
-    """A manifest's name for the provenance: as given when relative, else relative to the working directory
-    when under it, else its file name (never an absolute path: it would differ between checkouts)."""
-    if not path.is_absolute():
-        return path.as_posix()
-    try:
-        return path.relative_to(Path.cwd()).as_posix()
-    except ValueError:
-        return path.name
-
-
-def _module_arg(value: str) -> ModuleInput:
-    name, sep, paths = value.partition("=")
-    parts = paths.split(",")
-    if not sep or len(parts) != 3:
-        raise DsaError("--module", f"'{value}' is not NAME=VMFB,EXPORT_RECORD,COMPILE_REPORT")
-    return ModuleInput(name, *map(Path, parts))
-
-
-def _format_size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="dsa bundle", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("create", help="write a bundle archive and its .sha256")
-    c.add_argument("--index", action="append", default=[],
-                   help="take the files from this module index (dsa compile's TARGET.modules.json, dsa_vmfb's "
-                   "NAME.modules.json); the flags below override. Repeat it, once per target in preference "
-                   "order, for a multi-target bundle of one model (its lock beside each index)")
-    c.add_argument("--lock", help="the recipe lock (NAME.lock.json) from dsa_vmfb or dsa compile")
-    c.add_argument("--manifest", help="the manifest (required unless --pipeline)")
-    c.add_argument("--manifest-source", help="the manifest's repository-relative name, for the provenance "
-                   "(default: --manifest as given)")
-    c.add_argument("--runtime-view")
-    c.add_argument("--target-spec")
-    c.add_argument("--params", help="the parameter archive (.irpa)")
-    c.add_argument("--module", action="append", default=[], type=_module_arg,
-                   help="NAME=VMFB,EXPORT_RECORD,COMPILE_REPORT (repeat per module)")
-    c.add_argument("--pipeline", help="bundle a linked pipeline: its index (dsa_pipeline's NAME.pipeline.json); "
-                   "each stage's files come from its module index, its manifest from --stage-manifest")
-    c.add_argument("--stage-manifest", action="append", default=[],
-                   help="with --pipeline: STAGE=MANIFEST[,REPOSITORY_RELATIVE_NAME] (repeat per stage)")
-    c.add_argument("--pte", help="bundle an ExecuTorch program (dsa_pte's NAME.pte; its NAME.pte_record.json "
-                   "beside it), with --manifest and --runtime-view: an ExecuTorch bundle (format 3)")
-    c.add_argument("--processor", action="append", default=[],
-                   help="a LeRobot processor file the manifest's `processors` pins (policy_preprocessor.json, "
-                   "policy_postprocessor.json, their statistics, tokenizer.json; repeat per file): the bundle "
-                   "ships the policy's whole pipeline (docs/policy-pipeline.md); needs --policy-config")
-    c.add_argument("--policy-config", help="with --processor: the policy's config.json (model.policy_config)")
-    c.add_argument("--out", required=True, help="the archive to write (NAME.tar)")
-    c.add_argument("--digest", help="where to write `<sha256>  NAME.tar` (default NAME.sha256 beside it)")
-    for command, text in (("verify", "check a bundle as `dsa run` would and summarise it"),
-                          ("list", "list a verified bundle's files")):
-        p = sub.add_parser(command, help=text)
-        p.add_argument("bundle")
-    r = sub.add_parser("release", help="verify a bundle, then copy it and its .sha256 into DEST")
-    r.add_argument("bundle")
-    r.add_argument("dest", help="directory (created if missing); relative to where `bazel run` was started")
-    r.add_argument("--key", help="the signer's public key (KEY.pub.pem): release only a bundle it signed, and "
-                   "ship the signature beside it")
-    a = parser.parse_args(argv)
-
-    if a.command == "create" and a.pte:
-        if not (a.manifest and a.runtime_view):
-            raise DsaError("dsa-bundle create", "--pte needs --manifest and --runtime-view")
-        pte = Path(a.pte)
-        record = pte.with_name(pte.name[:-len(".pte")] + ".pte_record.json") if pte.name.endswith(".pte") else None
-        if record is None or not pte.is_file() or not record.is_file():
-            raise DsaError("--pte", f"{pte} is not a .pte with its .pte_record.json beside it", "build the dsa_pte first")
-        sha = write_pte_bundle(Path(a.out), pte=pte, record=record, manifest=Path(a.manifest),
-                               runtime_view=Path(a.runtime_view), manifest_source=a.manifest_source,
-                               digest_out=Path(a.digest) if a.digest else None)
-        if not a.digest:
-            print(f"dsa-bundle: wrote {a.out} (sha256 {sha}) and {sidecar_path(Path(a.out))}")
-        return
-    if a.command == "create" and a.pipeline:
-        manifests = {}
-        for value in a.stage_manifest:
-            stage, sep, rest = value.partition("=")
-            path, _, source = rest.partition(",")
-            if not sep or not path:
-                raise DsaError("--stage-manifest", f"'{value}' is not STAGE=MANIFEST[,NAME]")
-            manifests[stage] = (Path(path), source or _source_name(Path(path)))
-        sha = write_bundle(Path(a.out), digest_out=Path(a.digest) if a.digest else None,
-                                     **pipeline_inputs(Path(a.pipeline), manifests))
-        return
-    if a.command == "create" and len(a.index) > 1:
-        if not a.manifest:
-            raise DsaError("dsa-bundle create", "--manifest is required without --pipeline")
-        given = [f"--{k.replace('_', '-')}" for k in ("lock", "runtime_view", "target_spec", "params", "module")
-                 if getattr(a, k)]
-        if given:
-            raise DsaError("dsa-bundle create", f"{', '.join(given)} cannot be combined with several --index",
-                           "a multi-target bundle takes every target's files from its module index")
-        source = a.manifest_source or _source_name(Path(a.manifest))
-        for index in a.index:
-            if not Path(index).is_file():
-                raise DsaError(index, "no such module index", "build the dsa_vmfb (or run dsa compile) first")
-        stages = [StageInput(name="", manifest=Path(a.manifest), manifest_source=source,
-                             **inputs_from_index(Path(index))) for index in a.index]
-        sha = write_multi_target_bundle(Path(a.out), stages, digest_out=Path(a.digest) if a.digest else None)
-        if not a.digest:  # by hand, not in a build action: say what was written
-            print(f"dsa-bundle: wrote {a.out} (sha256 {sha}) and {sidecar_path(Path(a.out))}")
-        return
-    if a.command == "create":
-        if not a.manifest:
-            raise DsaError("dsa-bundle create", "--manifest is required without --pipeline")
-        a.index = a.index[0] if a.index else None
-        files = inputs_from_index(Path(a.index), lock=a.lock, target_spec=a.target_spec) if a.index else {}
-        for key in ("lock", "runtime_view", "target_spec", "params"):
-            if getattr(a, key):
-                files[key] = Path(getattr(a, key))
-            if key not in files:
-                raise DsaError("dsa-bundle create", f"--{key.replace('_', '-')} is required without --index")
-        if a.module:
-            files["modules"] = a.module
-        if not files.get("modules"):
-            raise DsaError("dsa-bundle create", "no modules", "pass --index or --module")
-        sha = create_bundle(Path(a.out), manifest=Path(a.manifest),
-                            manifest_source=a.manifest_source or _source_name(Path(a.manifest)),
-                            digest_out=Path(a.digest) if a.digest else None,
-                            processors=[Path(p) for p in a.processor] if a.processor else None,
-                            policy_config=Path(a.policy_config) if a.policy_config else None, **files)
-        if a.index:  # by hand, not in a build action: say what was written
-            print(f"dsa-bundle: wrote {a.out} (sha256 {sha}) and {a.digest or sidecar_path(Path(a.out))}")
-        return
-    if a.command == "release":
-        # DEST is always relative to where `bazel run` was started (the runfiles tree is no place for it).
-        dest = Path(os.environ.get("BUILD_WORKING_DIRECTORY", ".")) / a.dest
-        archive, digest = release(user_path(a.bundle), dest, public_key=user_path(a.key) if a.key else None)
-        print(f"released {archive} and {digest.name}: sha256 {digest.read_text(encoding='utf-8').split()[0]}")
-        return
-    if a.command in ("verify", "list") and _is_executorch(read_bundle_json(user_path(a.bundle))):
-        with tempfile.TemporaryDirectory(prefix="dsa-bundle-") as tmp:
-            meta = extract_pte_bundle(user_path(a.bundle), Path(tmp))
-            record = PteRecord.read(Path(tmp) / meta["record"])
-        print(f"{a.bundle}: ExecuTorch bundle (format {meta['format']}) of {meta['model_id']}: "
-              f"{record.get('backend')}, {record.get('delegates')} delegated subgraphs, "
-              f"{_format_size(meta['files'][meta['program']]['size'])} program; every file matches bundle.json")
-        if a.command == "list":
-            for name, entry in sorted(meta["files"].items()):
-                print(f"  {entry['sha256']}  {entry['size']:>12d}  {name}")
-        return
-    with open_bundle(user_path(a.bundle)) as b:
-        print(b.describe())
-        if a.command == "list":
-            for name, entry in sorted(b.meta["files"].items()):
-                print(f"  {entry['sha256']}  {entry['size']:>12d}  {name}")
-        else:
-            for stage, report in zip(b.stages, b.stage_reports):
-                prefix = f"{stage.name}." if stage.name else ""
-                for m in report["modules"]:
-                    bucket = f"{m['bucket']['dim']}={m['bucket']['size']}" if m.get("bucket") else "dynamic"
-                    print(f"  {prefix}{m['name']}: {bucket}, {m['export']['op_count']} exported ops, "
-                          f"{m['compile']['dispatch_count']} dispatches, {_format_size(m['sizes']['vmfb_bytes'])}")
-            if b.is_multi_target:
-                for target, why in b.why_not_here().items():
-                    print(f"  target {target} ({b.target_spec(target).get('runtime_driver', 'local-task')}): "
-                          + ("runs on this machine" if why is None else f"not here: {why}"))
-            params = sum(report["parameters"]["bytes"] for report in
-                         (b.stage_reports[:1] if b.is_multi_target else b.stage_reports))
-            label = (f"{PARAMS_IRPA} (all stages)" if b.is_pipeline else
-                     f"{PARAMS_IRPA} (shared by all targets)" if b.is_multi_target else PARAMS_IRPA)
-            print(f"  {label}: {_format_size(params)}; archive {_format_size(b.archive.stat().st_size)}")
-
-if __name__ == "__main__":
-    run_cli(main, "dsa bundle")

@@ -44,7 +44,7 @@ COMMANDS: Dict[str, str] = {
     "compile": "dsa.tools.pipeline",
     "manifest": "dsa.manifest.contract",
     "lerobot": "dsa.frontends.lerobot.cli",
-    "bundle": "dsa.runtime.bundle",
+    "bundle": "dsa.tools.bundle_cli",
     "diff": "dsa.tools.diff",
     "link": "dsa.stages.link",
     "pte": "dsa.tools.executorch",

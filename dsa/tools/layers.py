@@ -7,9 +7,11 @@ Layers, highest first: a module may import from its own layer and the layers bel
 
     tools → frontends → stages → manifest → runtime → core
 
-and two packages stay free of PyTorch: `dsa.runtime` (what a robot runs) and `dsa.core`. Imports inside
-functions count like any other. A name starting with `_` is private to its module: no other module of the
-package imports it (`from dsa.x import _name`) or reaches for it (`x._name`, `x.Class._name`).
+and two packages stay free of PyTorch: `dsa.runtime` (what a robot runs) and `dsa.core`. Within a layer the
+modules import each other without cycles: two modules that need each other are one job split badly (their
+shared piece belongs in one of them, or a layer down). Imports inside functions count like any other. A name
+starting with `_` is private to its module: no other module of the package imports it (`from dsa.x import
+_name`) or reaches for it (`x._name`, `x.Class._name`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,34 @@ def violations(package: str = "dsa") -> List[str]:
                                               as_packages=True)
             if chain:
                 found.append(f"{importer} must not import {external}: {' -> '.join(chain)}")
+    found += cycles(graph, package)
+    return found
+
+
+def _layer(module: str, package: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == package and parts[1] in LAYERS else ""
+
+
+def cycles(graph, package: str = "dsa") -> List[str]:
+    """Every import cycle between modules of one layer (networkx's strongly connected components of the layer's
+    import graph, each shown as one shortest cycle through its first module), as `dsa.<layer>: a -> b -> a`."""
+    import networkx as nx
+
+    modules = [m for m in graph.modules if _layer(m, package)]
+    imports = nx.DiGraph()
+    imports.add_nodes_from(modules)
+    imports.add_edges_from((m, n) for m in modules for n in graph.find_modules_directly_imported_by(m)
+                           if n != m and _layer(n, package) == _layer(m, package))
+    found = []
+    for component in sorted(sorted(c) for c in nx.strongly_connected_components(imports) if len(c) > 1):
+        start = component[0]
+        inside = imports.subgraph(component)
+        # The shortest way back to `start`: through the successor nearest to it (ties: by name).
+        ways = [nx.shortest_path(inside, child, start) for child in sorted(inside.successors(start))]
+        cycle = [start, *min(ways, key=len)]
+        found.append(f"{package}.{_layer(start, package)} must not import in a cycle "
+                     f"({', '.join(component)}): {' -> '.join(cycle)}")
     return found
 
 

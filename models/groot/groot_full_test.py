@@ -102,7 +102,7 @@ def _vmhwm_mib() -> int:
 
 
 def _phase_iree(pipeline: Path, inputs: Path, out: Path) -> dict:
-    from dsa.stages.link import CompiledPipeline
+    from dsa.runtime.pipeline_runtime import CompiledPipeline
 
     cases = dict(np.load(inputs))
     pipeline = CompiledPipeline(pipeline)

@@ -23,7 +23,8 @@ from dsa.runtime.bundle import open_bundle
 from dsa.core.errors import DsaError
 from dsa.stages.export import export_model
 from dsa.core.fileio import read_json
-from dsa.stages.link import CompiledPipeline, Stage, link
+from dsa.runtime.pipeline_runtime import CompiledPipeline
+from dsa.stages.link import Stage, link
 from dsa.manifest.contract import load_manifest, project
 from dsa.tools.testing import eager_policy, runfile
 

@@ -193,9 +193,9 @@ def dsa_release(name, bundle, **kwargs):
     native.filegroup(name = archive, srcs = [bundle], output_group = "archive", tags = ["manual"])
     py_binary(
         name = name,
-        srcs = [Label("//dsa:runtime/bundle.py")],
-        main = Label("//dsa:runtime/bundle.py"),
-        deps = [Label("//dsa:bundle")],
+        srcs = [Label("//dsa:runtime/release.py")],
+        main = Label("//dsa:runtime/release.py"),
+        deps = [Label("//dsa:signing")],
         data = [bundle, ":" + archive],
         args = ["release", "$(rootpath :%s)" % archive],
         **kwargs

@@ -54,7 +54,8 @@ stages to inputs of later ones.
 a stage named by its dsa_vmfb's name. The DsaLink action (dsa/stages/link.py) reads every stage's export records and
 fails the build, naming the edge and both records' shape and dtype, when an edge's two ends differ; it writes
 `<name>.link.json` (each edge's name, shape, dtype, producer, consumer). `<name>.pipeline.json` is the index
-`dsa.stages.link.CompiledPipeline` loads; `dsa_bundle(pipeline = ...)` packs the whole pipeline.""",
+`dsa.runtime.pipeline_runtime.CompiledPipeline` loads; `dsa_bundle(pipeline = ...)` packs the whole
+pipeline.""",
     attrs = {
         "stages": attr.label_list(mandatory = True, providers = [DsaModuleInfo], doc = "dsa_vmfb targets, in run order."),
         "edges": attr.string_dict(mandatory = True, doc = "CONSUMER_STAGE.INPUT → PRODUCER_STAGE.OUTPUT."),

@@ -1,5 +1,6 @@
-"""dsa.runtime.bundle: the archive is deterministic, holds what docs/bundle-format.md says, and is refused when it is
-corrupted, truncated, padded, of a newer format or inconsistent with its lock."""
+"""dsa.stages.bundle writes, dsa.runtime.bundle reads: the archive is deterministic, holds what
+docs/bundle-format.md says, and is refused when it is corrupted, truncated, padded, of a newer format or
+inconsistent with its lock."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import tarfile
 import pytest
 
 from bundle_testlib import MODULES, built_inputs, cli, copy_inputs, flip_byte, member_offset, repack
+from dsa.core import tarfiles as T
 from dsa.runtime import bundle as B
+from dsa.stages import bundle as W
 from dsa.core.errors import DsaError
 from dsa.core.fileio import read_json, sha256_file
 from dsa.tools.testing import runfile
@@ -30,7 +33,7 @@ def test_same_inputs_give_the_same_bytes_from_different_paths(tmp_path):
     shas = []
     for where in ("one/deeper/path", "two"):
         out = tmp_path / where / "out" / "pi0_bundle.tar"
-        shas.append(B.create_bundle(out, **copy_inputs(inputs, tmp_path / where / "inputs")))
+        shas.append(W.create_bundle(out, **copy_inputs(inputs, tmp_path / where / "inputs")))
         assert sha256_file(out) == shas[-1]
     assert shas[0] == shas[1]
     first = (tmp_path / "one/deeper/path/out/pi0_bundle.tar").read_bytes()
@@ -39,7 +42,7 @@ def test_same_inputs_give_the_same_bytes_from_different_paths(tmp_path):
 
 def test_the_python_api_and_the_bazel_rule_give_the_same_archive(tmp_path, built):
     out = tmp_path / "pi0_bundle.tar"
-    sha = B.create_bundle(out, **built_inputs())
+    sha = W.create_bundle(out, **built_inputs())
     assert out.read_bytes() == built.read_bytes()
     assert B.sidecar_path(out).read_text() == B.sidecar_path(built).read_text() == f"{sha}  pi0_bundle.tar\n"
 
@@ -47,7 +50,8 @@ def test_the_python_api_and_the_bazel_rule_give_the_same_archive(tmp_path, built
 def test_create_from_a_module_index_gives_the_same_archive(tmp_path, built):
     """`dsa bundle create --index` (how a dsa compile output is bundled), here on the build's own index."""
     out = tmp_path / "pi0_bundle.tar"
-    proc = cli("dsa.runtime.bundle", "create", "--index", "models/pi0.modules.json", "--manifest", "manifests/pi0.yaml",
+    proc = cli("dsa.tools.bundle_cli", "create", "--index", "models/pi0.modules.json",
+               "--manifest", "manifests/pi0.yaml",
                "--out", out, cwd=runfile("."))
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes() == built.read_bytes()
@@ -55,7 +59,7 @@ def test_create_from_a_module_index_gives_the_same_archive(tmp_path, built):
 
 
 def test_create_without_index_names_the_missing_flag(tmp_path):
-    proc = cli("dsa.runtime.bundle", "create", "--manifest", "m.yaml", "--out", tmp_path / "x.tar")
+    proc = cli("dsa.tools.bundle_cli", "create", "--manifest", "m.yaml", "--out", tmp_path / "x.tar")
     assert proc.returncode == 2 and "--lock is required without --index" in proc.stderr
 
 
@@ -65,7 +69,7 @@ def test_members_are_sorted_plain_files_with_fixed_metadata(built):
         assert [m.name for m in members] == EXPECTED_FILES
         for m in members:
             assert m.isreg() and not m.name.startswith("/") and "/" not in m.name
-            assert (m.mtime, m.mode, m.uid, m.gid, m.uname, m.gname) == (B.MTIME, 0o644, 0, 0, "", "")
+            assert (m.mtime, m.mode, m.uid, m.gid, m.uname, m.gname) == (T.MTIME, 0o644, 0, 0, "", "")
             assert not m.pax_headers
     raw = built.read_bytes()
     assert b"ustar  \x00" in raw[:512]  # GNU magic: no pax extended headers
@@ -146,13 +150,13 @@ def test_build_report_has_ops_dispatches_flags_sizes_and_tool_versions(opened):
 
 
 def test_list_and_verify_cli(built):
-    listed = cli("dsa.runtime.bundle", "list", built)
+    listed = cli("dsa.tools.bundle_cli", "list", built)
     assert listed.returncode == 0, listed.stderr
     assert "matches pi0_bundle.sha256" in listed.stdout
     for name in EXPECTED_FILES:
         if name != "bundle.json":
             assert name in listed.stdout
-    verified = cli("dsa.runtime.bundle", "verify", built)
+    verified = cli("dsa.tools.bundle_cli", "verify", built)
     assert verified.returncode == 0, verified.stderr
     assert "prompt_len_2: prompt_len=128" in verified.stdout and "dispatches" in verified.stdout
 
@@ -213,7 +217,7 @@ def test_appended_bytes_are_refused(built_copy):
 def test_a_format_newer_than_this_reader_is_refused(opened, tmp_path):
     newer = repack(opened.root, tmp_path / "newer.tar", lambda meta: meta.update(format=4))
     _refused(newer, "bundle format 4 is not supported", "reads formats 1, 2 and 3", "docs/bundle-format.md")
-    proc = cli("dsa.runtime.bundle", "verify", newer)
+    proc = cli("dsa.tools.bundle_cli", "verify", newer)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "bundle format 4 is not supported" in proc.stderr
 
@@ -234,9 +238,9 @@ def test_newer_format_with_another_layout_is_refused_for_its_format(opened, tmp_
     """A format-4 archive may lay its files out differently (here: a directory): the format is checked first."""
     newer = tmp_path / "newer.tar"
     meta = dict(opened.meta, format=4)
-    with tarfile.open(newer, "w", format=B.TAR_FORMAT) as tar:
+    with tarfile.open(newer, "w", format=T.TAR_FORMAT) as tar:
         for name, data in (("bundle.json", json.dumps(meta).encode()), ("modules/a.vmfb", b"x")):
-            tar.addfile(B._tarinfo(name, len(data)), io.BytesIO(data))
+            tar.addfile(T.tarinfo(name, len(data)), io.BytesIO(data))
     _refused(newer, "bundle format 4 is not supported: this reader reads formats 1, 2 and 3", "a newer rules_dsa wrote it")
 
 
@@ -255,17 +259,17 @@ def test_unlisted_missing_and_unsafe_members_are_refused(opened, tmp_path):
     _refused(repack(opened.root, tmp_path / "b.tar", ghost), "missing ghost.bin")
 
     evil = tmp_path / "evil.tar"
-    with tarfile.open(evil, "w", format=B.TAR_FORMAT) as tar:
-        tar.addfile(B._tarinfo("../escape.txt", 0), io.BytesIO(b""))
+    with tarfile.open(evil, "w", format=T.TAR_FORMAT) as tar:
+        tar.addfile(T.tarinfo("../escape.txt", 0), io.BytesIO(b""))
         meta = json.dumps(opened.meta).encode()
-        tar.addfile(B._tarinfo("bundle.json", len(meta)), io.BytesIO(meta))
+        tar.addfile(T.tarinfo("bundle.json", len(meta)), io.BytesIO(meta))
     _refused(evil, "member '../escape.txt'", "not a plain file name")
     assert not (tmp_path / "escape.txt").exists()
 
 
 def test_missing_bundle_json_is_refused(opened, tmp_path):
     plain = tmp_path / "plain.tar"
-    with tarfile.open(plain, "w", format=B.TAR_FORMAT) as tar:
+    with tarfile.open(plain, "w", format=T.TAR_FORMAT) as tar:
         tar.add(opened.root / "lock.json", arcname="lock.json")
     _refused(plain, "has no bundle.json")
 
@@ -274,7 +278,7 @@ def test_create_refuses_files_the_lock_does_not_describe(tmp_path):
     inputs = copy_inputs(built_inputs(), tmp_path / "in")
     flip_byte(inputs["modules"][0].vmfb, 100)
     with pytest.raises(DsaError, match="prompt_len_0.vmfb's sha256 is .* but the lock records"):
-        B.create_bundle(tmp_path / "out.tar", **inputs)
+        W.create_bundle(tmp_path / "out.tar", **inputs)
     assert not (tmp_path / "out.tar").exists()
 
 
@@ -284,26 +288,26 @@ def test_create_refuses_another_lock_format(tmp_path):
     lock["format"] = 2
     inputs["lock"].write_text(json.dumps(lock))
     with pytest.raises(DsaError, match="recipe lock format 2 is not supported"):
-        B.create_bundle(tmp_path / "out.tar", **inputs)
+        W.create_bundle(tmp_path / "out.tar", **inputs)
 
 
 # -- release --------------------------------------------------------------------------------------------
 
 def test_release_copies_archive_and_digest_into_a_new_directory(built, tmp_path):
-    proc = cli("dsa.runtime.bundle", "release", built, "dist/v1", env={"BUILD_WORKING_DIRECTORY": str(tmp_path)})
+    proc = cli("dsa.tools.bundle_cli", "release", built, "dist/v1", env={"BUILD_WORKING_DIRECTORY": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     dest = tmp_path / "dist/v1"
     assert (dest / "pi0_bundle.tar").read_bytes() == built.read_bytes()
     assert (dest / "pi0_bundle.sha256").read_text() == B.sidecar_path(built).read_text()
     assert str(dest / "pi0_bundle.tar") in proc.stdout
     # Released again over itself: the same result.
-    again = cli("dsa.runtime.bundle", "release", built, str(dest))
+    again = cli("dsa.tools.bundle_cli", "release", built, str(dest))
     assert again.returncode == 0, again.stderr
 
 
 def test_release_refuses_a_corrupted_bundle(built_copy, tmp_path):
     flip_byte(built_copy, member_offset(built_copy, "params.irpa"))
-    proc = cli("dsa.runtime.bundle", "release", built_copy, tmp_path / "dist")
+    proc = cli("dsa.tools.bundle_cli", "release", built_copy, tmp_path / "dist")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "sha256" in proc.stderr
     assert not (tmp_path / "dist").exists()
 
@@ -313,17 +317,17 @@ def test_release_refuses_a_corrupted_bundle(built_copy, tmp_path):
 def test_a_single_model_bundle_is_write_bundle_of_one_unlinked_stage(tmp_path, built):
     """create_bundle is write_bundle of one stage without a link: the same bytes, members at the root."""
     inputs = built_inputs()
-    stage = B.StageInput(name="pi0", manifest_source=inputs.pop("manifest_source", "manifests/pi0.yaml"), **inputs)
+    stage = W.StageInput(name="pi0", manifest_source=inputs.pop("manifest_source", "manifests/pi0.yaml"), **inputs)
     out = tmp_path / "pi0_bundle.tar"
-    B.write_bundle(out, [stage])
+    W.write_bundle(out, [stage])
     assert out.read_bytes() == built.read_bytes()
 
 
 def test_several_models_without_a_link_are_refused(tmp_path):
     inputs = built_inputs()
-    stages = [B.StageInput(name=n, **inputs) for n in ("a", "b")]
+    stages = [W.StageInput(name=n, **inputs) for n in ("a", "b")]
     with pytest.raises(DsaError, match="2 models to bundle without a link"):
-        B.write_bundle(tmp_path / "out.tar", stages)
+        W.write_bundle(tmp_path / "out.tar", stages)
     assert not (tmp_path / "out.tar").exists()
 
 

@@ -11,7 +11,9 @@ import tarfile
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence
 
+from dsa.core import tarfiles as T
 from dsa.runtime import bundle as B
+from dsa.stages import bundle as W
 from dsa.core.fileio import canonical_json, read_json, sha256_file
 from dsa.tools.testing import runfile
 
@@ -33,10 +35,10 @@ def rebundle_pipeline(work: Path, out: Path, manifest_source: str, processors: S
     lock["views"]["runtime"] = sha256_file(work / B.RUNTIME_VIEW_JSON)
     (work / B.LOCK_JSON).write_text(canonical_json(lock), encoding="utf-8")
     modules = sorted(m["name"] for m in lock["modules"])
-    B.create_bundle(out, lock=work / B.LOCK_JSON, manifest=work / B.MANIFEST_YAML,
+    W.create_bundle(out, lock=work / B.LOCK_JSON, manifest=work / B.MANIFEST_YAML,
                     runtime_view=work / B.RUNTIME_VIEW_JSON, target_spec=work / B.TARGET_SPEC_JSON,
                     params=work / B.PARAMS_IRPA,
-                    modules=[B.ModuleInput(m, work / f"{m}.vmfb", work / f"{m}.export_record.json",
+                    modules=[W.ModuleInput(m, work / f"{m}.vmfb", work / f"{m}.export_record.json",
                                            work / f"{m}.compile_report.json") for m in modules],
                     manifest_source=manifest_source, processors=list(processors),
                     policy_config=work / "policy_config.json")
@@ -52,7 +54,7 @@ def built_inputs() -> Dict[str, object]:
         target_spec=runfile("toolchains/targets/x86_64-v3.json"),
         params=runfile("models/pi0_model/params.irpa"),
         modules=[
-            B.ModuleInput(m, runfile(f"models/pi0/{m}.vmfb"), runfile(f"models/pi0_buckets/{m}.export_record.json"),
+            W.ModuleInput(m, runfile(f"models/pi0/{m}.vmfb"), runfile(f"models/pi0_buckets/{m}.export_record.json"),
                           runfile(f"models/pi0/{m}.compile_report.json"))
             for m in MODULES
         ],
@@ -75,7 +77,7 @@ def copy_inputs(kwargs: Dict[str, object], dest: Path) -> Dict[str, object]:
             target = dest / f"{m.name}.{suffix}"
             shutil.copyfile(path, target)
             files.append(target)
-        out["modules"].append(B.ModuleInput(m.name, *files))
+        out["modules"].append(W.ModuleInput(m.name, *files))
     return out
 
 
@@ -103,10 +105,10 @@ def rebundle(source: B.OpenedBundle, out: Path, *, files: Optional[Dict[str, byt
     if lock_edit:
         lock_edit(lock)
     (work / B.LOCK_JSON).write_text(canonical_json(lock), encoding="utf-8")
-    B.create_bundle(
+    W.create_bundle(
         out, lock=work / B.LOCK_JSON, manifest=work / B.MANIFEST_YAML, runtime_view=work / B.RUNTIME_VIEW_JSON,
         target_spec=work / B.TARGET_SPEC_JSON, params=work / B.PARAMS_IRPA,
-        modules=[B.ModuleInput(m, work / f"{m}.vmfb", work / f"{m}.export_record.json",
+        modules=[W.ModuleInput(m, work / f"{m}.vmfb", work / f"{m}.export_record.json",
                                work / f"{m}.compile_report.json") for m in MODULES],
         manifest_source=source.meta["manifest_source"],
     )
@@ -117,10 +119,10 @@ def repack(source_dir: Path, out: Path, edit_meta: Callable[[dict], None]) -> Pa
     """The files of an extracted bundle re-archived (same fixed metadata) with bundle.json edited."""
     meta = read_json(source_dir / B.BUNDLE_JSON)
     edit_meta(meta)
-    with tarfile.open(out, "w", format=B.TAR_FORMAT) as tar:
+    with tarfile.open(out, "w", format=T.TAR_FORMAT) as tar:
         for path in sorted(source_dir.iterdir()):
             data = canonical_json(meta).encode() if path.name == B.BUNDLE_JSON else path.read_bytes()
-            tar.addfile(B._tarinfo(path.name, len(data)), io.BytesIO(data))
+            tar.addfile(T.tarinfo(path.name, len(data)), io.BytesIO(data))
     return out
 
 

@@ -17,6 +17,7 @@ import pytest
 from bundle_testlib import cli, rebundle
 from dsa.core.errors import DsaError
 from dsa.core.fileio import canonical_json, read_json
+from dsa.core import tarfiles as T
 from dsa.runtime import bundle as B
 from dsa.tools.testing import bounded_memory
 
@@ -43,13 +44,13 @@ def _repack(opened: B.OpenedBundle, out: Path, *, files: Optional[Dict[str, byte
         meta["index"] = json.loads(contents[B.INDEX_JSON])
     if edit_meta:
         edit_meta(meta)
-    with tarfile.open(out, "w", format=B.TAR_FORMAT) as tar:
+    with tarfile.open(out, "w", format=T.TAR_FORMAT) as tar:
         table = canonical_json(meta).encode()
-        tar.addfile(B._tarinfo(B.BUNDLE_JSON, len(table)), io.BytesIO(table))
+        tar.addfile(T.tarinfo(B.BUNDLE_JSON, len(table)), io.BytesIO(table))
         if extra is not None:
             tar.addfile(extra, io.BytesIO(extra_data))
         for name in sorted(contents):
-            tar.addfile(B._tarinfo(name, len(contents[name])), io.BytesIO(contents[name]))
+            tar.addfile(T.tarinfo(name, len(contents[name])), io.BytesIO(contents[name]))
     return out
 
 
@@ -151,8 +152,8 @@ def test_a_lock_that_is_not_json_is_refused(opened, tmp_path):
 def test_deeply_nested_bundle_json_is_refused_without_a_traceback(opened, tmp_path):
     deep = b"[" * 200_000 + b"]" * 200_000
     out = tmp_path / "deep.tar"
-    with tarfile.open(out, "w", format=B.TAR_FORMAT) as tar:
-        tar.addfile(B._tarinfo(B.BUNDLE_JSON, len(deep)), io.BytesIO(deep))
+    with tarfile.open(out, "w", format=T.TAR_FORMAT) as tar:
+        tar.addfile(T.tarinfo(B.BUNDLE_JSON, len(deep)), io.BytesIO(deep))
     proc = cli("dsa.runtime.run", "--bundle", out)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert "nested too deeply" in proc.stderr

@@ -30,6 +30,7 @@ from safetensors.numpy import save_file
 
 from dsa.core.errors import DsaError
 from dsa.core.fileio import canonical_json
+from dsa.core import tarfiles as T
 from dsa.runtime import bundle as B
 from dsa.runtime import processors as P
 from dsa.runtime.policy_pipeline import (MAX_CHUNK, MAX_NOISE_ELEMENTS, MAX_OBS_STEPS, POLICY_PIPELINE_JSON,
@@ -565,11 +566,11 @@ def _forge(bundle: Path, out: Path, files: Dict[str, bytes]) -> Path:
     for name, data in contents.items():
         if name in meta["files"]:
             meta["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-    with tarfile.open(out, "w", format=B.TAR_FORMAT) as tar:
+    with tarfile.open(out, "w", format=T.TAR_FORMAT) as tar:
         table = canonical_json(meta).encode()
-        tar.addfile(B._tarinfo(B.BUNDLE_JSON, len(table)), io.BytesIO(table))
+        tar.addfile(T.tarinfo(B.BUNDLE_JSON, len(table)), io.BytesIO(table))
         for name in sorted(contents):
-            tar.addfile(B._tarinfo(name, len(contents[name])), io.BytesIO(contents[name]))
+            tar.addfile(T.tarinfo(name, len(contents[name])), io.BytesIO(contents[name]))
     return out
 
 

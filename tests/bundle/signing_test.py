@@ -13,6 +13,7 @@ import pytest
 from bundle_testlib import cli, rebundle
 from dsa.core.errors import DsaError
 from dsa.runtime import bundle as B
+from dsa.runtime import release as R
 from dsa.runtime import signing as S
 
 
@@ -102,12 +103,12 @@ def test_a_private_key_where_a_public_one_belongs_is_refused(signed, keys):
 
 
 def test_release_with_a_key_ships_only_a_signed_bundle_and_its_signature(signed, built_copy, keys, tmp_path):
-    archive, _ = B.release(signed, tmp_path / "out", public_key=keys[1])
+    archive, _ = R.release(signed, tmp_path / "out", public_key=keys[1])
     assert S.signature_path(archive).read_bytes() == S.signature_path(signed).read_bytes()
     S.verify_signature(archive, keys[1])
     S.signature_path(signed).unlink()
     with pytest.raises(DsaError, match="is not signed"):
-        B.release(signed, tmp_path / "out2", public_key=keys[1])
+        R.release(signed, tmp_path / "out2", public_key=keys[1])
 
 
 # -- what a signature says: the model and the release (substitution and rollback) ---------------------------

@@ -532,7 +532,7 @@ def _append_comment(edits: Edits, name: str) -> None:
 
 
 @pytest.mark.parametrize("tool", ["dsa/tools/bench/timing.py", "dsa/tools/profiler.py", "dsa/tools/diff.py",
-                                  "dsa/tools/pipeline.py"])
+                                  "dsa/tools/pipeline.py", "dsa/tools/bundle_cli.py"])
 def test_editing_a_tool_module_runs_no_action_and_keeps_the_bundle(ws, rule_set_edits, tool):
     """Tools (dsa/tools/) are in no action's inputs and not in the recipe lock: editing one executes nothing,
     and the release bundle keeps its sha256."""

@@ -23,6 +23,7 @@ if str(HERE) not in sys.path:
 
 from dsa.core.errors import DsaError  # noqa: E402
 from dsa.manifest.contract import ManifestError, load_manifest  # noqa: E402
+from dsa.core import tarfiles as T  # noqa: E402
 from dsa.runtime import bundle as B  # noqa: E402
 from dsa.runtime.policy import CompiledPolicy, check_input  # noqa: E402
 from dsa.runtime.run import load_observation  # noqa: E402
@@ -153,9 +154,9 @@ def test_a_bundle_json_with_fields_replaced_is_refused_with_a_dsa_error(fields):
     contents[B.BUNDLE_JSON] = json.dumps(meta, allow_nan=True).encode()
     with tempfile.TemporaryDirectory() as tmp:
         archive = Path(tmp) / "pi0_bundle.tar"
-        with tarfile.open(archive, "w", format=B.TAR_FORMAT) as tar:
+        with tarfile.open(archive, "w", format=T.TAR_FORMAT) as tar:
             for name in sorted(contents):
-                tar.addfile(B._tarinfo(name, len(contents[name])), io.BytesIO(contents[name]))
+                tar.addfile(T.tarinfo(name, len(contents[name])), io.BytesIO(contents[name]))
         try:
             B.extract_bundle(archive, Path(tmp) / "out")
         except DsaError:

@@ -1,5 +1,6 @@
 """The dsa package's import direction (dsa/tools/layers.py, grimp): the tree as it is passes, and a
-deliberately wrong import — a stage importing a tool, the runtime importing torch — fails, naming the chain."""
+deliberately wrong import — a stage importing a tool, the runtime importing torch, two modules of one layer
+importing each other — fails, naming the chain."""
 
 import os
 import re
@@ -71,6 +72,28 @@ def test_the_runtime_reaching_torch_through_a_stage_is_refused(tmp_path):
     assert proc.returncode == 1
     assert "dsa.runtime must not import dsa.stages" in proc.stdout
     assert "dsa.runtime must not import torch: dsa.runtime.bundle -> dsa.stages.spec -> torch" in proc.stdout
+
+
+def test_an_import_cycle_inside_a_layer_is_refused_naming_the_cycle(tmp_path):
+    """Same layer, so no direction is broken; a lazy import inside a function closes the cycle all the same."""
+    root = _copy(tmp_path)
+    host = root / "dsa" / "runtime" / "host.py"  # dsa.runtime.policy imports it
+    host.write_text(host.read_text() + "\n\ndef _wrong():\n    from dsa.runtime import policy  # noqa\n")
+    proc = _check(root)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert ("dsa.runtime must not import in a cycle (dsa.runtime.host, dsa.runtime.policy): "
+            "dsa.runtime.host -> dsa.runtime.policy -> dsa.runtime.host") in proc.stdout
+    assert proc.stdout.count("cycle") == 1, proc.stdout
+
+
+def test_a_longer_cycle_is_named_by_its_shortest_loop(tmp_path):
+    root = _copy(tmp_path)
+    spec = root / "dsa" / "stages" / "spec.py"  # dsa.stages.export imports spec; nothing in stages imports export
+    spec.write_text(spec.read_text() + "\n\ndef _wrong():\n    from dsa.stages import export  # noqa\n")
+    proc = _check(root)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "dsa.stages must not import in a cycle (" in proc.stdout
+    assert "dsa.stages.export -> dsa.stages.spec -> dsa.stages.export" in proc.stdout
 
 
 def test_architecture_doc_names_only_paths_that_exist():

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from dsa.core.fileio import canonical_json, read_json, sha256_file
+from dsa.core import tarfiles as T
 from dsa.runtime import bundle as B
+from dsa.stages import bundle as W
 from dsa.tools.testing import runfile
 
 FLEET = "models/pi0_fleet_bundle.tar"
@@ -78,7 +80,7 @@ def test_bazel_bundle_equals_the_cli_bundle_from_runfiles(tmp_path):
     for name in FLEET_MODULES:
         args += ["--index", runfile(f"models/{name}.modules.json")]
     out = tmp_path / "pi0_fleet_bundle.tar"
-    proc = cli("dsa.runtime.bundle", "create", *args, "--manifest", runfile("manifests/pi0.yaml"),
+    proc = cli("dsa.tools.bundle_cli", "create", *args, "--manifest", runfile("manifests/pi0.yaml"),
                "--manifest-source", "manifests/pi0.yaml", "--out", out, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert sha256_file(out) == sha256_file(runfile(FLEET))
@@ -141,7 +143,7 @@ def test_bundle_with_no_target_for_this_machine_is_refused_naming_each_driver(tm
     refused(proc, "pi0_devices_only_bundle.tar: has no module this machine can run",
             "cuda-sm_87 (driver cuda): it needs", "vulkan-rdna3 (driver vulkan): it needs",
             "aarch64-pi5 (driver local-task): its code is for aarch64", "dsa_bundle(modules = [...])")
-    verify = cli("dsa.runtime.bundle", "verify", runfile(DEVICES_ONLY))
+    verify = cli("dsa.tools.bundle_cli", "verify", runfile(DEVICES_ONLY))
     assert verify.returncode == 0, verify.stderr
     assert "target cuda-sm_87 (cuda): not here: it needs the IREE runtime driver 'cuda'" in verify.stdout
 
@@ -164,9 +166,9 @@ def _repack(fleet, out: Path, edit) -> Path:
     meta = read_json(fleet.root / B.BUNDLE_JSON)
     edit(meta, files)
     files[B.BUNDLE_JSON] = canonical_json(meta).encode()
-    with tarfile.open(out, "w", format=B.TAR_FORMAT) as tar:
+    with tarfile.open(out, "w", format=T.TAR_FORMAT) as tar:
         for name in sorted(files):
-            tar.addfile(B._tarinfo(name, len(files[name])), io.BytesIO(files[name]))
+            tar.addfile(T.tarinfo(name, len(files[name])), io.BytesIO(files[name]))
     return out
 
 
@@ -199,10 +201,10 @@ def test_target_index_naming_another_targets_module_is_refused(fleet, tmp_path):
 
 
 def test_writer_refuses_a_target_twice_and_a_single_target(tmp_path):
-    inputs = B.inputs_from_index(runfile("models/pi0.modules.json"))
-    stage = B.StageInput(name="", manifest=runfile("manifests/pi0.yaml"), **inputs)
+    inputs = W.inputs_from_index(runfile("models/pi0.modules.json"))
+    stage = W.StageInput(name="", manifest=runfile("manifests/pi0.yaml"), **inputs)
     with pytest.raises(B.DsaError, match="target x86_64-v3 is given more than once"):
-        B.write_multi_target_bundle(tmp_path / "twice.tar", [stage, stage])
+        W.write_multi_target_bundle(tmp_path / "twice.tar", [stage, stage])
     with pytest.raises(B.DsaError, match="1 target.* for a multi-target bundle"):
-        B.write_multi_target_bundle(tmp_path / "one.tar", [stage])
+        W.write_multi_target_bundle(tmp_path / "one.tar", [stage])
     assert not list(tmp_path.iterdir())  # nothing half-written
