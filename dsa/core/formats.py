@@ -38,6 +38,16 @@ PARAMETER_METADATA_PREFIX = "PYTORCH:"
 LOCK_FORMAT = 1
 # link.json: the checked edges of a dsa_pipeline (DsaLink).
 LINK_FORMAT = 1
+# The IREE parameter scope every exported module names its weights under (`#stream.parameter.named<"model"::...>`),
+# whatever front end wrote it (torch export, ONNX, StableHLO): the runtime binds one archive to it.
+PARAMETER_SCOPE = "model"
+# Frameworks whose model is a file the export imports as it is (the manifest's model.file; the contract checks that
+# exactly these have one), not code an entry point builds.
+FILE_FRAMEWORKS: Tuple[str, ...] = ("onnx", "stablehlo")
+# Tuning files (toolchains/tuning/<family>.<target>.json): flags per model family and target.
+TUNING_FORMAT = 1
+# policy_pipeline.json: a LeRobot policy's processors and module, as a pipeline bundle ships them.
+POLICY_PIPELINE_FORMAT = 1
 # <name>.pipeline.json: the stages of a dsa_pipeline, in run order.
 PIPELINE_INDEX_FORMAT = 1
 

@@ -35,7 +35,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 import yaml
 
 from dsa.core.fileio import write_json_atomic
-from dsa.core.formats import RENAMED_ENTRY_POINTS
+from dsa.core.formats import FILE_FRAMEWORKS, RENAMED_ENTRY_POINTS  # noqa: F401 (FILE_FRAMEWORKS: part of this API)
 from jsonschema import Draft202012Validator, validators
 
 SCHEMA_PATH = Path(__file__).parent / "schema" / "manifest.schema.json"
@@ -43,8 +43,6 @@ SCHEMA: Dict[str, Any] = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
 # (major, minor, patch) of the schema this release reads.
 SCHEMA_VERSION: Tuple[int, int, int] = tuple(int(p) for p in SCHEMA["x-version"].split("."))
 EXTENSION_PREFIX = "x-"
-# Frameworks whose model is a file the export imports as it is (model.file), not code an entry point builds.
-FILE_FRAMEWORKS: Tuple[str, ...] = ("onnx", "stablehlo")
 # Framework → the MLIR input dialect of its export, when not torch (the compile stage's --iree-input-type).
 INPUT_TYPES: Dict[str, str] = {"onnx": "onnx", "stablehlo": "stablehlo"}
 

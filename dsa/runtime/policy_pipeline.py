@@ -34,8 +34,7 @@ import numpy as np
 
 from dsa.core.errors import DsaError
 from dsa.core.fileio import sha256_file
-
-POLICY_PIPELINE_FORMAT = 1
+from dsa.core.formats import POLICY_PIPELINE_FORMAT
 POLICY_PIPELINE_JSON = "policy_pipeline.json"
 POLICY_CONFIG_JSON = "policy_config.json"
 PREPROCESSOR_JSON = "policy_preprocessor.json"

@@ -20,13 +20,12 @@ from typing import List, Optional, Sequence
 
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import atomic_output, read_json, sha256_file
-from dsa.core.formats import REPORT_FORMAT, CompileReport
+from dsa.core.formats import REPORT_FORMAT, TUNING_FORMAT, CompileReport
 from dsa.core.runtime_flags import merge_runtime_flags, runtime_flag_values
 from dsa.manifest.contract import ManifestError, check_precision_for_target
 from dsa.stages.compile_flags import check_target_flags, check_tuning_flags
 from dsa.stages.iree_tools import first_error_line, iree_compile_path  # noqa: F401 (part of this module's API)
 
-TUNING_FORMAT = 1
 REPRODUCIBILITY_FLAGS = [
     "--iree-vm-bytecode-module-strip-source-map=true",
     "--iree-llvmcpu-debug-symbols=false",

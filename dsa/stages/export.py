@@ -32,16 +32,13 @@ from dsa.stages import importer_fixes
 from dsa.core.determinism import pin_math_libraries
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, sha256_bytes, sha256_file, write_bytes_atomic
-from dsa.core.formats import RECORD_FORMAT, ExportRecord, current_entry_point
+from dsa.core.formats import (FILE_FRAMEWORKS, PARAMETER_SCOPE, RECORD_FORMAT, ExportRecord,  # noqa: F401
+                              current_entry_point)
 from dsa.stages.precision import apply_precision
 from dsa.stages.quant import quantize_module, scale_name
 from dsa.stages.spec import DTYPE_NAMES, ExportSpec, InputSpec
 from dsa.stages.weightless import Budget, ModelTooLarge, as_fake, without_weights
 
-PARAMETER_SCOPE = "model"
-# Frameworks whose model is a file imported as it is (the manifest's model.file; dsa.manifest.contract
-# validates that exactly these have one), not code an entry point builds.
-FILE_FRAMEWORKS = ("onnx", "stablehlo")
 # Upper bound given to torch.export for a dynamic dim. IREE does not enforce it at run time; the runner does.
 DYNAMIC_DIM_MAX = 65536
 # Seed of the example inputs used for tracing (values never reach the artifact, only shapes do).

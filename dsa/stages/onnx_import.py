@@ -32,8 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 from dsa.core.errors import DsaError
 from dsa.core.fileio import sha256_bytes, sha256_file
-
-PARAMETER_SCOPE = "model"
+from dsa.core.formats import PARAMETER_SCOPE
 FUNCTION = "main"
 # Initializers stored in the .onnx file with at least this many elements become parameters (IREE's default).
 IMPORT_THRESHOLD = 100

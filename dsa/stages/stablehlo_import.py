@@ -42,9 +42,8 @@ from typing import Dict, List, Optional, Tuple
 
 from dsa.core.errors import DsaError
 from dsa.core.fileio import sha256_bytes
+from dsa.core.formats import PARAMETER_SCOPE
 from dsa.stages.onnx_import import check_inputs_agree, check_manifest_agrees, check_model_file
-
-PARAMETER_SCOPE = "model"
 FUNCTION = "main"
 # The name JAX's main gets in the wrapper (made unique against the module's own symbols).
 JAX_MAIN = "jax_main"
