@@ -87,35 +87,13 @@ cleanup() {
     exit "$rc"
 }
 trap cleanup EXIT
+# shellcheck source=buildlib.sh
+. "$HERE/buildlib.sh"   # now, secs, build, clean, free_port, output_digests
 trap 'exit 130' INT TERM
-
-now() { date +%s.%N; }
-secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$1" "$2"; }
-
-# build CHECKOUT OUTPUT_BASE NAME [bazel flags...]: builds $TARGET; NAME.log / NAME.json in $LOGS; sets
-# RC and WALL (seconds). --disk_cache= so that no disk cache (e.g. from a ~/.bazelrc) can answer instead.
-build() {
-    local dir="$1" ob="$2" name="$3"
-    shift 3
-    local t0 t1
-    t0="$(now)"
-    set +e
-    (cd "$dir" && ./bazelw --output_base="$ob" --max_idle_secs=900 build "${BUILD_TARGET:-$TARGET}" --disk_cache= \
-        --execution_log_json_file="$LOGS/$name.json" "$@") >"$LOGS/$name.log" 2>&1
-    RC=$?
-    set -e
-    t1="$(now)"
-    WALL="$(secs "$t0" "$t1")"
-    echo "$RC" >"$LOGS/$name.rc"
-}
 
 must_succeed() { # NAME
     [ "$RC" -eq 0 ] || fail "$1: the build failed (exit $RC); its log ($LOGS/$1.log) ends with:
 $(grep -v '^\s*at ' "$LOGS/$1.log" | tail -n 25)"
-}
-
-clean() { # CHECKOUT OUTPUT_BASE: drop the outputs (the Python environment, an external repository, stays)
-    (cd "$1" && ./bazelw --output_base="$2" --max_idle_secs=900 clean) >>"$LOGS/clean.log" 2>&1
 }
 
 start_server() { # VAR KIND DIR [cache-server flags]: starts a server on a free port; VAR=its endpoint
@@ -125,16 +103,6 @@ start_server() { # VAR KIND DIR [cache-server flags]: starts a server on a free 
     endpoint="$("$SERVER" start "$kind" --port 0 --dir "$dir" "$@" 2>>"$LOGS/servers.log")" \
         || fail "the $kind cache server did not start: $(tail -n 15 "$LOGS/servers.log")"
     printf -v "$var" '%s' "$endpoint"
-}
-
-free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
-# sha256 of every output file under bazel-bin/models (runfiles trees excluded), relative paths, sorted.
-output_digests() { # CHECKOUT
-    (cd "$1" && find -L bazel-bin/models -type f ! -path '*.runfiles/*' ! -name '*.runfiles_manifest' \
-        -print0 | sort -z | xargs -0 sha256sum)
 }
 
 counts() { python3 "$CHECK" --exec-log "$LOGS/$1.json" --counts; } # NAME -> "hits total"

@@ -100,27 +100,9 @@ cleanup() {
     exit "$rc"
 }
 trap cleanup EXIT
+# shellcheck source=../remote_cache/buildlib.sh
+. "$ROOT/tests/remote_cache/buildlib.sh"   # now, secs, build, clean, free_port, output_digests
 trap 'exit 130' INT TERM
-
-now() { date +%s.%N; }
-secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$1" "$2"; }
-
-# build CHECKOUT OUTPUT_BASE NAME [bazel flags...]: builds $BUILD_TARGET (default $TARGET); NAME.log / NAME.json
-# in $LOGS; sets RC and WALL. --disk_cache= so that no disk cache (e.g. from a ~/.bazelrc) can answer instead.
-build() {
-    local dir="$1" ob="$2" name="$3"
-    shift 3
-    local t0 t1
-    t0="$(now)"
-    set +e
-    (cd "$dir" && ./bazelw --output_base="$ob" --max_idle_secs=900 build "${BUILD_TARGET:-$TARGET}" --disk_cache= \
-        --execution_log_json_file="$LOGS/$name.json" "$@") >"$LOGS/$name.log" 2>&1
-    RC=$?
-    set -e
-    t1="$(now)"
-    WALL="$(secs "$t0" "$t1")"
-    echo "$RC" >"$LOGS/$name.rc"
-}
 
 must_succeed() { # NAME
     [ "$RC" -eq 0 ] || fail "$1: the build failed (exit $RC); its log ($LOGS/$1.log) ends with:
@@ -129,22 +111,7 @@ worker log ($LOGS/worker-*.log) ends with:
 $(tail -n 5 "$LOGS"/worker-*.log 2>/dev/null)"
 }
 
-clean() { # CHECKOUT OUTPUT_BASE
-    (cd "$1" && ./bazelw --output_base="$2" --max_idle_secs=900 clean) >>"$LOGS/clean.log" 2>&1
-}
-
-# sha256 of every output file under bazel-bin/models (runfiles trees excluded), relative paths, sorted. Each
-# checkout is cleaned before the builds compared, so these are the outputs of one target.
-output_digests() { # CHECKOUT
-    (cd "$1" && find -L bazel-bin/models -type f ! -path '*.runfiles/*' ! -name '*.runfiles_manifest' \
-        -print0 | sort -z | xargs -0 sha256sum)
-}
-
 no_vmfb() { [ -z "$(find -L "$1/bazel-bin/models" -name '*.vmfb' 2>/dev/null)" ]; } # CHECKOUT
-
-free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
 
 # start_worker NAME IMAGE_ROOT: a worker whose image holds the environments under IMAGE_ROOT.
 start_worker() {
