@@ -37,7 +37,7 @@ Real sizes (`--real-size`): the policies of //models:policies_real_size_index (t
 `bazel build //models:policies_real_size_index //models:pi0_full ...`), read from the bin directory they were
 built in, get a second table "Real sizes" with the same columns. Their compile re-run is measured here; their
 latency and import→vmfb are not (minutes a call, tens of GB): they come from `dsa scale` (docs/real-size.json,
-dsa/tools/scale.py), matched by the vmfb's sha256 like the benchmark's: its median runtime call at batch 1 and
+dsa/tools/scale/), matched by the vmfb's sha256 like the benchmark's: its median runtime call at batch 1 and
 its ratio to eager, and its `dsa compile --no-cache` wall time and largest stage peak.
 
 Outputs are read from the runfiles tree under `bazel run` (the models are this binary's data) or from --bin;
@@ -452,7 +452,7 @@ def attach_bench(row: dict, unit: Unit, bench: Dict[str, dict]) -> None:
         row["bench"] = bench.get(sha256_file(unit.modules[0]["vmfb"]))
 
 
-# Where `dsa scale` keeps its measurements (dsa/tools/scale.py).
+# Where `dsa scale` keeps its measurements (dsa/tools/scale/).
 REAL_SIZE_RESULTS = "docs/real-size.json"
 
 

@@ -1,4 +1,4 @@
-"""dsa/tools/scale.py (`dsa scale`): the tables and the plot are pure functions of the collected data; a process's
+"""dsa/tools/scale/ (`dsa scale`): the tables and the plot are pure functions of the collected data; a process's
 peak memory is its own VmHWM, not its parent's size; every measured step holds the heavy-work lock; a subject
 runs in its framework's environment with the stand-in generator the rules use, re-pinned when the manifest's
 pins are not its weights'; and one real run of the tool on a tiny manifest (stand-in, dsa compile --no-cache,
