@@ -1,4 +1,4 @@
-"""dsa/tools/import_matrix.py without Bazel: the table is a pure function of the collected data (row order, units,
+"""dsa/tools/import_matrix/ without Bazel: the table is a pure function of the collected data (row order, units,
 ✗ and "not run" cells), the README's marked section is replaced without touching the rest, test.xml is read
 as passed / failed / not run, and a child's peak RSS comes from its wait4 rusage."""
 
