@@ -531,7 +531,7 @@ def _append_comment(edits: Edits, name: str) -> None:
     path.write_text(path.read_text(encoding="utf-8") + "\n# an edit that changes no behaviour\n", encoding="utf-8")
 
 
-@pytest.mark.parametrize("tool", ["dsa/tools/bench/timing.py", "dsa/tools/profiler.py", "dsa/tools/diff.py",
+@pytest.mark.parametrize("tool", ["dsa/tools/bench/timing.py", "dsa/tools/profiler/model.py", "dsa/tools/diff.py",
                                   "dsa/tools/pipeline.py", "dsa/tools/bundle_cli.py"])
 def test_editing_a_tool_module_runs_no_action_and_keeps_the_bundle(ws, rule_set_edits, tool):
     """Tools (dsa/tools/) are in no action's inputs and not in the recipe lock: editing one executes nothing,
