@@ -1,10 +1,13 @@
 """dsa_python_env: the Python environment every rules_dsa action runs in.
 
 A repository rule that builds a virtual environment from a hashed lock file and
-exposes it as a Python toolchain. Besides the interpreter it writes
-`identity.json` (lock digest, interpreter version, installed set): it is in the
-toolchain's runtime files, hence an input of every Python action, so a change of
-environment is a cache miss and nothing else is.
+exposes it as rules_dsa's toolchain (`:dsa_toolchain` of `:env`, a
+dsa_python_toolchain: toolchain.bzl) and as a Python toolchain
+(`:python_toolchain`). Besides the interpreter it writes `identity.json` (lock
+digest, interpreter version, installed set): every rules_dsa rule takes it from
+the resolved toolchain as an input of each action (and it is in the Python
+toolchain's runtime files), so a change of environment is a cache miss and
+nothing else is.
 
 Nothing that becomes an action input names an absolute path: the interpreter
 wrapper finds the venv at run time. Each checkout has its own output base, so a
