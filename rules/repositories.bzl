@@ -7,7 +7,11 @@ A workspace that uses rules_dsa writes:
     rules_dsa_dependencies()
     load("@rules_dsa//toolchains/python:repositories.bzl", "dsa_python_env")
     dsa_python_env(name = "dsa_python", lock = "@rules_dsa//:requirements_lock.txt")
-    register_toolchains("@dsa_python//:python_toolchain")
+    register_toolchains("@dsa_python//:dsa_toolchain", "@dsa_python//:python_toolchain")
+
+`@dsa_python//:dsa_toolchain` is the environment every rules_dsa rule resolves (toolchain type
+@rules_dsa//toolchains/python:toolchain_type, toolchains/python/toolchain.bzl); `:python_toolchain` is the
+Python toolchain rules_dsa's py_binary tools run on. Register both of one environment.
 
 Bazel 7/8 with Bzlmod reads MODULE.bazel instead and never runs this.
 """

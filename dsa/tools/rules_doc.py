@@ -153,7 +153,7 @@ class Module:
             if name in _BUILTINS:
                 return _BUILTINS[name]
             raise self.fail(node, f"unknown name `{name}`",
-                            "rules_doc only knows names defined or loaded in this file and rule/provider/attr/Label/dict/struct")
+                            "rules_doc only knows names defined or loaded in this file and rule/provider/attr/Label/dict/struct/str")
         return self.value_of(name, binding)
 
     def value_of(self, name: str, binding: _Binding) -> Any:
@@ -287,7 +287,7 @@ class _Builtin:
     name: str
 
 
-_BUILTINS = {name: _Builtin(name) for name in ("rule", "provider", "Label", "dict", "struct", "attr")}
+_BUILTINS = {name: _Builtin(name) for name in ("rule", "provider", "Label", "dict", "struct", "attr", "str")}
 
 
 class _Evaluator:
@@ -366,7 +366,7 @@ class _Evaluator:
         callee = self.eval(func) if isinstance(func, ast.Name) else None
         if not isinstance(callee, _Builtin):
             name = func.id if isinstance(func, ast.Name) else type(func).__name__
-            raise self.fail(node, f"a call of `{name}` (only rule, provider, attr.*, Label, dict and struct are known)")
+            raise self.fail(node, f"a call of `{name}` (only rule, provider, attr.*, Label, dict, struct and str are known)")
         builtin = callee.name
         if builtin == "Label":
             if len(node.args) != 1 or node.keywords:
@@ -375,6 +375,16 @@ class _Evaluator:
             if not isinstance(label, str):
                 raise self.fail(node, "Label() of something that is not a string")
             return LabelValue(label)
+        if builtin == "str":
+            # str(Label(...)) (a rule's `toolchains`): the label as written; Bazel would print it resolved.
+            if len(node.args) != 1 or node.keywords:
+                raise self.fail(node, "str() without exactly one argument")
+            value = self.eval(node.args[0])
+            if isinstance(value, LabelValue):
+                return value.label
+            if isinstance(value, str):
+                return value
+            raise self.fail(node, "str() of something that is neither a string nor a Label")
         if builtin == "dict":
             if len(node.args) > 1:
                 raise self.fail(node, "dict() with more than one positional argument")

@@ -1,6 +1,6 @@
 """dsa_bucket: specialises a dynamic dim of an exported model into shape buckets."""
 
-load(":common.bzl", "TOOL_ATTRS", "execution_requirements", "manifest_view", "run_tool")
+load(":common.bzl", "TOOLCHAINS", "TOOL_ATTRS", "execution_requirements", "manifest_view", "run_tool")
 load(":providers.bzl", "DsaBucketInfo", "DsaModelInfo")
 
 def _dsa_bucket_impl(ctx):
@@ -55,6 +55,7 @@ def _dsa_bucket_impl(ctx):
 
 dsa_bucket = rule(
     implementation = _dsa_bucket_impl,
+    toolchains = TOOLCHAINS,
     doc = """One static export per bucket of the manifest's `buckets.<dim>` list (slot i = the i-th size).
 
 Why one module per bucket rather than one module with an entry point per bucket: parameters live outside

@@ -3,7 +3,7 @@
 dsa_release: `bazel run :name -- DEST` copies a verified bundle and its .sha256 into DEST."""
 
 load("@rules_python//python:defs.bzl", "py_binary")
-load(":common.bzl", "ACTION_ENV", "execution_requirements", "TOOL_ATTRS", "repo_relative")
+load(":common.bzl", "ACTION_ENV", "TOOLCHAINS", "TOOL_ATTRS", "execution_requirements", "repo_relative", "toolchain_identity")
 load(":providers.bzl", "DsaModuleInfo", "DsaPipelineInfo", "DsaPteInfo")
 
 def _pipeline_bundle(ctx, archive, digest):
@@ -21,7 +21,7 @@ def _pipeline_bundle(ctx, archive, digest):
     args.add("--digest", digest)
 
     # The pipeline's files hold every stage's module index and what it names (dsa_vmfb's outputs).
-    inputs = depset(manifests + [ctx.file._toolchain_identity], transitive = [ctx.attr.pipeline[DefaultInfo].files])
+    inputs = depset(manifests + [toolchain_identity(ctx)], transitive = [ctx.attr.pipeline[DefaultInfo].files])
     return args, inputs, ctx.attr.pipeline.label
 
 def _multi_target_bundle(ctx, archive, digest):
@@ -52,7 +52,7 @@ def _multi_target_bundle(ctx, archive, digest):
 
     # Each dsa_vmfb's files hold its index and all the index names (modules, lock, parameters, spec link).
     inputs = depset(
-        [first.model.manifest, ctx.file._toolchain_identity] + [m.target.spec for m in modules],
+        [first.model.manifest, toolchain_identity(ctx)] + [m.target.spec for m in modules],
         transitive = [m[DefaultInfo].files for m in ctx.attr.modules],
     )
     return args, inputs, "%s for %s" % (ctx.attr.modules[0].label, ", ".join([m.target.name for m in modules]))
@@ -68,7 +68,7 @@ def _pte_bundle(ctx, archive, digest):
     args.add("--runtime-view", pte.model.runtime_view)
     args.add("--out", archive)
     args.add("--digest", digest)
-    inputs = depset([pte.pte, pte.record, pte.model.manifest, pte.model.runtime_view, ctx.file._toolchain_identity])
+    inputs = depset([pte.pte, pte.record, pte.model.manifest, pte.model.runtime_view, toolchain_identity(ctx)])
     return args, inputs, ctx.attr.pte.label
 
 def _dsa_bundle_impl(ctx):
@@ -124,7 +124,7 @@ def _dsa_bundle_impl(ctx):
     ctx.actions.run(
         executable = ctx.executable._bundle_tool,
         arguments = [args],
-        inputs = [lock, model.manifest, model.runtime_view, module.target.spec, model.params, ctx.file._toolchain_identity] +
+        inputs = [lock, model.manifest, model.runtime_view, module.target.spec, model.params, toolchain_identity(ctx)] +
                  module.vmfbs + module.records + module.reports + ctx.files.processors +
                  ([ctx.file.policy_config] if ctx.file.policy_config else []),
         outputs = [archive, digest],
@@ -140,6 +140,7 @@ def _dsa_bundle_impl(ctx):
 
 dsa_bundle = rule(
     implementation = _dsa_bundle_impl,
+    toolchains = TOOLCHAINS,
     doc = """Packs a dsa_vmfb for release: `<name>.tar` and `<name>.sha256` (`<hex>  <name>.tar`).
 
 The archive (docs/bundle-format.md, format 1) holds the vmfbs with their export records and compile reports,

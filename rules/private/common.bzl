@@ -1,23 +1,33 @@
 """Helpers shared by the rules: the Python tools and the manifest-view action."""
 
+load("//toolchains/python:toolchain.bzl", "DSA_PYTHON_TOOLCHAIN_TYPE", "DsaPythonInfo", "dsa_python_of")
 load(":providers.bzl", "DsaTargetInfo")
 
 # Every action runs a py_binary of //dsa on the hermetic Python environment. The environment's identity
 # (lock digest, interpreter, installed set) is an explicit input of each, so a toolchain change is a
-# cache miss while a different client environment is not.
+# cache miss while a different client environment is not. The environment is the registered toolchain of
+# type //toolchains/python:toolchain_type (a dsa_python_env's `:dsa_toolchain`): every rule with
+# TOOL_ATTRS declares `toolchains = TOOLCHAINS`.
 TOOL_ATTRS = {
     "_manifest_tool": attr.label(default = Label("//dsa:manifest_tool"), executable = True, cfg = "exec"),
-    "_toolchain_identity": attr.label(default = Label("@dsa_python//:identity.json"), allow_single_file = True),
 }
+
+# As a string of the label (Bazel 4's rule() takes no Label here): `@rules_dsa//...` from a user's workspace.
+TOOLCHAINS = [str(DSA_PYTHON_TOOLCHAIN_TYPE)]
+
+def toolchain_identity(ctx):
+    """identity.json of the registered environment (the rule's resolved dsa_python toolchain)."""
+    return dsa_python_of(ctx).identity
 
 # For rules whose actions may run in another dsa_python_env than the registered toolchain's (LeRobot
 # policies need torch 2.14.1 + LeRobot): that environment's `:env`.
 ENV_ATTRS = {
     "python_env": attr.label(
-        allow_files = True,
+        providers = [DsaPythonInfo],
         cfg = "exec",
-        doc = "A dsa_python_env's `:env` to run the export in, instead of the registered toolchain's " +
-              "environment; LeRobot policies (framework: lerobot) need \"@dsa_lerobot_python//:env\".",
+        doc = "An environment (DsaPythonInfo: a dsa_python_env's `:env`, or any dsa_python_toolchain) to run " +
+              "the export in, instead of the registered toolchain's; LeRobot policies (framework: lerobot) " +
+              "need \"@dsa_lerobot_python//:env\".",
     ),
 }
 
@@ -41,15 +51,12 @@ def stage_sources(stage_code, model_sources):
     return dsa_sources(stage_code[DefaultInfo].default_runfiles.files.to_list() + frontends)
 
 def python_env_of(target):
-    """struct(python, identity, files) of a dsa_python_env's `:env` target, or None for no target."""
+    """struct(python, identity, files) of an environment target (DsaPythonInfo: a dsa_python_env's `:env`),
+    or None for no target."""
     if not target:
         return None
-    files = target.files.to_list()
-    python = [f for f in files if f.basename == "python3"]
-    identity = [f for f in files if f.basename == "identity.json"]
-    if len(python) != 1 or len(identity) != 1:
-        fail("python_env must be a dsa_python_env's :env target (bin/python3 and identity.json), got %s" % target.label)
-    return struct(python = python[0], identity = identity[0], files = files)
+    info = target[DsaPythonInfo]
+    return struct(python = info.interpreter, identity = info.identity, files = info.files)
 
 def run_tool(ctx, env, tool, module, arguments, inputs, **kwargs):
     """Runs a //dsa tool (`tool`, its py_binary target): the binary on the toolchain's environment (env
@@ -60,7 +67,7 @@ def run_tool(ctx, env, tool, module, arguments, inputs, **kwargs):
         ctx.actions.run(
             executable = tool[DefaultInfo].files_to_run,
             arguments = arguments,
-            inputs = depset([ctx.file._toolchain_identity], transitive = [inputs]),
+            inputs = depset([toolchain_identity(ctx)], transitive = [inputs]),
             env = ACTION_ENV,
             **kwargs
         )
@@ -109,7 +116,7 @@ def manifest_view(ctx, manifest, view, out, target = None, bucket = None, target
     ctx.actions.run(
         executable = ctx.executable._manifest_tool,
         arguments = [args],
-        inputs = [manifest, ctx.file._toolchain_identity] + ([target_spec] if target_spec else []),
+        inputs = [manifest, toolchain_identity(ctx)] + ([target_spec] if target_spec else []),
         outputs = [out],
         mnemonic = "DsaManifest",
         progress_message = "Validating %s: %s view of %s" % (ctx.label, view, manifest.short_path),

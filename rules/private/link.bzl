@@ -1,6 +1,6 @@
 """dsa_pipeline: compiled models (dsa_vmfb) linked into one pipeline by the tensors they exchange."""
 
-load(":common.bzl", "ACTION_ENV", "execution_requirements")
+load(":common.bzl", "ACTION_ENV", "TOOLCHAINS", "execution_requirements", "toolchain_identity")
 load(":providers.bzl", "DsaModuleInfo", "DsaPipelineInfo")
 
 def _dsa_pipeline_impl(ctx):
@@ -21,7 +21,7 @@ def _dsa_pipeline_impl(ctx):
         executable = ctx.executable._link_tool,
         arguments = [args],
         inputs = depset(
-            [ctx.file._toolchain_identity] + [s.index for s in stages],
+            [toolchain_identity(ctx)] + [s.index for s in stages],
             transitive = [depset(s.records) for s in stages],
         ),
         outputs = [link, index],
@@ -47,6 +47,7 @@ def _dsa_pipeline_impl(ctx):
 
 dsa_pipeline = rule(
     implementation = _dsa_pipeline_impl,
+    toolchains = TOOLCHAINS,
     doc = """Links compiled models into a pipeline: `stages` run in order, `edges` feed outputs of earlier
 stages to inputs of later ones.
 
@@ -60,7 +61,6 @@ pipeline.""",
         "stages": attr.label_list(mandatory = True, providers = [DsaModuleInfo], doc = "dsa_vmfb targets, in run order."),
         "edges": attr.string_dict(mandatory = True, doc = "CONSUMER_STAGE.INPUT → PRODUCER_STAGE.OUTPUT."),
         "_link_tool": attr.label(default = Label("//dsa:link_tool"), executable = True, cfg = "exec"),
-        "_toolchain_identity": attr.label(default = Label("@dsa_python//:identity.json"), allow_single_file = True),
     },
     provides = [DsaPipelineInfo],
 )

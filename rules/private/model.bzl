@@ -1,7 +1,7 @@
 """dsa_model: checkpoint + manifest + model code → exported MLIR, export record and parameter archive."""
 
 load("@rules_python//python:defs.bzl", "PyInfo")
-load(":common.bzl", "ACTION_ENV", "ENV_ATTRS", "TOOL_ATTRS", "execution_requirements", "manifest_view", "python_env_of", "pythonpath_of", "run_tool")
+load(":common.bzl", "ACTION_ENV", "ENV_ATTRS", "TOOLCHAINS", "TOOL_ATTRS", "execution_requirements", "manifest_view", "python_env_of", "pythonpath_of", "run_tool", "toolchain_identity")
 load(":providers.bzl", "DsaModelInfo")
 
 # rules_dsa's own `dsa` package: model code imports dsa.stages.spec, but it is tool code, recorded as such in
@@ -49,7 +49,7 @@ def _basename(f):
 def _dsa_model_impl(ctx):
     name = ctx.label.name
     manifest = ctx.file.manifest
-    identity = ctx.file._toolchain_identity
+    identity = toolchain_identity(ctx)
     checkpoint, shards = checkpoint_files(ctx.label, ctx.files.checkpoint)
 
     export_view = _out(ctx, "export_view.json")
@@ -133,6 +133,7 @@ def _dsa_model_impl(ctx):
 
 dsa_model = rule(
     implementation = _dsa_model_impl,
+    toolchains = TOOLCHAINS,
     doc = """Exports a policy with its parameters externalised, and archives its checkpoint.
 
 For frameworks pytorch and lerobot the manifest's `model.entry_point` names the function (in `deps`) that

@@ -21,7 +21,7 @@ _TEST_TAG = "dsa_parity_test="
 _BUILD_OF_TAG = "dsa_policy_build_of="
 
 # The LeRobot environment and front end: what every `framework: lerobot` model's export needs.
-_LEROBOT_ENV = "@dsa_lerobot_python//:env"
+_LEROBOT_ENV = Label("@dsa_lerobot_python//:env")
 _LEROBOT_FRONTEND = Label("//dsa:lerobot")
 
 # Attributes every generated target takes from the macro's caller.
@@ -129,7 +129,7 @@ def dsa_policy(
         checkpoint = checkpoint or lerobot_policy + "/model.safetensors"
     if policy_config:
         deps = deps + [str(_LEROBOT_FRONTEND)]
-        python_env = python_env or _LEROBOT_ENV
+        python_env = python_env or str(_LEROBOT_ENV)
     if not checkpoint:
         shards = stand_in.get("shards", 0)
         dsa_checkpoint(

@@ -1,6 +1,7 @@
 """dsa_pte: the ExecuTorch Plan B — a dsa_model's entry point and checkpoint → an XNNPACK .pte."""
 
-load(":common.bzl", "TOOL_ATTRS", "execution_requirements", "manifest_view", "python_env_of", "repo_relative", "run_tool", "stage_sources")
+load("//toolchains/python:toolchain.bzl", "DsaPythonInfo")
+load(":common.bzl", "TOOLCHAINS", "TOOL_ATTRS", "execution_requirements", "manifest_view", "python_env_of", "repo_relative", "run_tool", "stage_sources")
 load(":providers.bzl", "DsaModelInfo", "DsaPteInfo")
 
 def _dsa_pte_impl(ctx):
@@ -52,6 +53,7 @@ def _dsa_pte_impl(ctx):
 
 dsa_pte = rule(
     implementation = _dsa_pte_impl,
+    toolchains = TOOLCHAINS,
     doc = """The ExecuTorch Plan B of a dsa_model: its entry point, built at static dims (`bucket`'s size, else
 each dynamic dim at its minimum) with its checkpoint's weights, traced by torch.export and lowered to an
 ExecuTorch program for the XNNPACK CPU backend: `<name>.pte` and `<name>.pte_record.json` (what XNNPACK took,
@@ -62,9 +64,9 @@ environment (@dsa_executorch_python). Framework pytorch models only; docs/fronte
         "bucket": attr.string(doc = "DIM:SLOT: build the program at that bucket's size of the manifest's `buckets`."),
         "python_env": attr.label(
             default = Label("@dsa_executorch_python//:env"),
-            allow_files = True,
+            providers = [DsaPythonInfo],
             cfg = "exec",
-            doc = "The dsa_python_env with ExecuTorch installed.",
+            doc = "The environment (DsaPythonInfo: a dsa_python_env's `:env`) with ExecuTorch installed.",
         ),
         "_pte_tool": attr.label(default = Label("//dsa:pte_tool"), executable = True, cfg = "exec"),
         "_stage_code": attr.label(default = Label("//dsa:stage_code")),

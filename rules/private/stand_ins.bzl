@@ -7,7 +7,8 @@ DsaLeRobotProcessors, DsaLeRobotTokenizer. Users load them from //rules:testing.
 """
 
 load("@rules_python//python:defs.bzl", "PyInfo")
-load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "execution_requirements", "manifest_view", "python_env_of", "pythonpath_of", "run_tool")
+load("//toolchains/python:toolchain.bzl", "DsaPythonInfo")
+load(":common.bzl", "ACTION_ENV", "TOOLCHAINS", "TOOL_ATTRS", "execution_requirements", "manifest_view", "python_env_of", "pythonpath_of", "run_tool", "toolchain_identity")
 load(":model.bzl", "model_sources")
 
 def shard_names(count):
@@ -44,7 +45,7 @@ def _dsa_checkpoint_impl(ctx):
     ctx.actions.run(
         executable = ctx.executable._checkpoint_tool,
         arguments = [args],
-        inputs = depset([view, ctx.file._toolchain_identity], transitive = [sources]),
+        inputs = depset([view, toolchain_identity(ctx)], transitive = [sources]),
         outputs = outputs,
         mnemonic = "DsaCheckpoint",
         progress_message = "Generating seeded checkpoint %s" % outputs[0].short_path,
@@ -56,6 +57,7 @@ def _dsa_checkpoint_impl(ctx):
 
 dsa_checkpoint = rule(
     implementation = _dsa_checkpoint_impl,
+    toolchains = TOOLCHAINS,
     doc = """A deterministic, seeded checkpoint for the manifest's model (for models whose real weights are
 not at hand). Byte-identical on every machine, so the manifest can pin its sha256 like any checkpoint's.""",
     attrs = dict(TOOL_ATTRS, **{
@@ -102,14 +104,15 @@ def _dsa_lerobot_policy_impl(ctx):
 _LEROBOT_ENV_ATTRS = dict(TOOL_ATTRS, **{
     "python_env": attr.label(
         default = Label("@dsa_lerobot_python//:env"),
-        allow_files = True,
+        providers = [DsaPythonInfo],
         cfg = "exec",
-        doc = "The dsa_python_env with LeRobot installed.",
+        doc = "The environment (DsaPythonInfo: a dsa_python_env's `:env`) with LeRobot installed.",
     ),
 })
 
 dsa_lerobot_policy = rule(
     implementation = _dsa_lerobot_policy_impl,
+    toolchains = TOOLCHAINS,
     doc = """A LeRobot policy with seeded random weights, saved in LeRobot's own format by LeRobot's own
 `save_pretrained`: `<name>/config.json` and `<name>/model.safetensors`, byte-identical on every machine
 (stand-ins for trained policies, which cannot be downloaded here). `config` is a JSON file: the policy
@@ -167,6 +170,7 @@ def _dsa_lerobot_processors_impl(ctx):
 
 dsa_lerobot_processors = rule(
     implementation = _dsa_lerobot_processors_impl,
+    toolchains = TOOLCHAINS,
     doc = """A LeRobot policy's pre- and post-processor pipelines with seeded dataset statistics, saved by LeRobot's
 own `make_pre_post_processors` + `save_pretrained` into the directory `<name>/` (policy_preprocessor.json,
 policy_postprocessor.json, their statistics .safetensors), byte-identical on every machine: stand-ins for the
@@ -199,6 +203,7 @@ def _dsa_lerobot_tokenizer_impl(ctx):
 
 dsa_lerobot_tokenizer = rule(
     implementation = _dsa_lerobot_tokenizer_impl,
+    toolchains = TOOLCHAINS,
     doc = """A stand-in tokenizer directory (`<name>/tokenizer.json`, `tokenizer_config.json`,
 `special_tokens_map.json`): a BPE tokenizer trained in the build with the `tokenizers` library on a fixed corpus
 of task texts, saved as transformers saves a Hub tokenizer; byte-identical on every machine. For the

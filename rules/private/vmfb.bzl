@@ -1,6 +1,6 @@
 """dsa_vmfb: exported MLIR → IREE .vmfb for one target, plus the module index the runner loads."""
 
-load(":common.bzl", "ACTION_ENV", "TOOL_ATTRS", "execution_requirements", "manifest_view", "repo_relative", "stage_sources")
+load(":common.bzl", "ACTION_ENV", "TOOLCHAINS", "TOOL_ATTRS", "execution_requirements", "manifest_view", "repo_relative", "stage_sources", "toolchain_identity")
 load(":providers.bzl", "DsaBucketInfo", "DsaModelInfo", "DsaModuleInfo", "DsaTargetInfo")
 
 def _lock_action(ctx, lock, index, spec, model, target, tuning, compile_view, bucket_views, mlirs, records, vmfbs, reports):
@@ -17,7 +17,7 @@ def _lock_action(ctx, lock, index, spec, model, target, tuning, compile_view, bu
     args.add_all(model.checkpoint_shards, before_each = "--checkpoint-shard")
     args.add_all(["%s=%s" % (repo_relative(f), f.path) for f in model.own_sources], before_each = "--model-source")
     args.add_all(["%s=%s" % (repo_relative(f), f.path) for f in tool_sources], before_each = "--tool-source")
-    args.add("--identity", ctx.file._toolchain_identity)
+    args.add("--identity", toolchain_identity(ctx))
     args.add("--target-spec", target.spec)
     args.add_all([
         "%s=%s" % (m.basename[:-len(".mlir")], ",".join([m.path, r.path, v.path, p.path]))
@@ -45,7 +45,7 @@ def _lock_action(ctx, lock, index, spec, model, target, tuning, compile_view, bu
         executable = ctx.executable._lock_tool,
         arguments = [args],
         inputs = depset(
-            [model.manifest, model.checkpoint, ctx.file._toolchain_identity, target.spec, model.params] +
+            [model.manifest, model.checkpoint, toolchain_identity(ctx), target.spec, model.params] +
             model.checkpoint_shards +
             views.values() + model.own_sources + tool_sources + mlirs + records + vmfbs + reports + extra +
             ([tuning] if tuning else []) + [spec, model.runtime_view],
@@ -116,7 +116,7 @@ def _dsa_vmfb_impl(ctx):
         ctx.actions.run(
             executable = ctx.executable._compile_tool,
             arguments = [args],
-            inputs = [mlir, view, target.spec, ctx.file._toolchain_identity] + ([tuning] if tuning else []),
+            inputs = [mlir, view, target.spec, toolchain_identity(ctx)] + ([tuning] if tuning else []),
             outputs = [vmfb, report],
             mnemonic = "DsaCompile",
             progress_message = "Compiling %s for %s" % (mlir.short_path, target.name),
@@ -154,6 +154,7 @@ def _dsa_vmfb_impl(ctx):
 
 dsa_vmfb = rule(
     implementation = _dsa_vmfb_impl,
+    toolchains = TOOLCHAINS,
     doc = """Compiles a dsa_model (one module) or a dsa_bucket (one module per bucket) for a target.
 
 Flags come from the target spec (toolchains/targets), the optional `tuning` file of the model family

@@ -573,3 +573,74 @@ def test_editing_a_stage_module_reruns_that_stage_and_the_lock(ws, rule_set_edit
     assert set(ran) <= set(reruns) | {"DsaLock", "DsaBundle"}, ran
     assert {p: sha256(p) for p in before} == before
     assert json.loads((ws.bin / "tiny.lock.json").read_text())["tool_sources"][stage] != lock["tool_sources"][stage]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A user's own Python environment. Last: it rebuilds everything in another environment, which the tests
+# above would otherwise see as reruns.
+
+# What a user's WORKSPACE adds before rules_dsa's registrations (README.md, "Your own Python environment").
+USER_ENV = "my_python"
+_USER_ENV_WORKSPACE = f"""dsa_python_env(
+    name = "{USER_ENV}",
+    lock = "//:my_lock.txt",
+)
+
+register_toolchains(
+    "@{USER_ENV}//:dsa_toolchain",
+    "@{USER_ENV}//:python_toolchain",
+)
+
+"""
+_DSA_PYTHON_PATH = re.compile(r"(^|/)dsa_python/")
+
+
+def _use_own_environment(ws: Workspace, edits: Edits) -> None:
+    """The user's WORKSPACE makes its own environment from a lock of its own and registers it first. The lock
+    is rules_dsa's, and the repository this test's own environment (as for @dsa_python): no pip install."""
+    edits.create("my_lock.txt").write_bytes((ws.rules_dsa / "requirements_lock.txt").read_bytes())
+    edits.replace("WORKSPACE", "register_toolchains(\n", _USER_ENV_WORKSPACE + "register_toolchains(\n")
+    outer = _outer_python_env()
+    if outer is not None:
+        rc = edits.create(".bazelrc")
+        rc.write_text(rc.read_text(encoding="utf-8") + f"build --override_repository={USER_ENV}={outer}\n",
+                      encoding="utf-8")
+
+
+def test_a_users_own_environment_registered_first_runs_every_dsa_action(ws, edits):
+    """A workspace that registers its own dsa_python_env (another repository name) before rules_dsa's builds
+    the policy in it: every Dsa action takes that repository's identity.json and interpreter, and nothing of
+    @dsa_python."""
+    _use_own_environment(ws, edits)
+    _, log = ws.build()
+    ran = executed_mnemonics(log)
+    # Another environment is another action key: the policy is built again, in it.
+    assert ran["DsaExport"] == 1 + len(BUCKETS) and ran["DsaCompile"] == len(BUCKETS), ran
+    dsa_spawns = [e for e in log if e.get("mnemonic", "").startswith("Dsa")]
+    for spawn in dsa_spawns:
+        inputs = [i["path"] for i in spawn.get("inputs", [])]
+        mnemonic = spawn["mnemonic"]
+        assert f"external/{USER_ENV}/identity.json" in inputs, (mnemonic, [p for p in inputs if "identity" in p])
+        assert any(p.endswith(f"{USER_ENV}/bin/python3") for p in inputs), (mnemonic, "no interpreter of " + USER_ENV)
+        assert not [p for p in inputs if _DSA_PYTHON_PATH.search(p)], (mnemonic, [p for p in inputs if _DSA_PYTHON_PATH.search(p)])
+        assert not [a for a in spawn.get("commandArgs", []) if _DSA_PYTHON_PATH.search(a)], (mnemonic, spawn["commandArgs"])
+    lock = json.loads((ws.bin / "tiny.lock.json").read_text())
+    assert lock["toolchain"]["lock_sha256"] == hashlib.sha256((ws.path / "my_lock.txt").read_bytes()).hexdigest(), lock["toolchain"]
+
+
+def test_a_toolchain_that_is_no_dsa_python_toolchain_is_refused_naming_what_to_register(ws, edits):
+    """A toolchain of rules_dsa's type whose target is not a dsa_python_toolchain (here a Python runtime pair)
+    fails the build's analysis with a message saying what to register."""
+    _use_own_environment(ws, edits)
+    build = edits.create("BUILD.bazel")
+    build.write_text(build.read_text(encoding="utf-8") + f"""
+toolchain(
+    name = "not_a_dsa_toolchain",
+    toolchain = "@{USER_ENV}//:runtime_pair",
+    toolchain_type = "@rules_dsa//toolchains/python:toolchain_type",
+)
+""", encoding="utf-8")
+    edits.replace("WORKSPACE", f'    "@{USER_ENV}//:dsa_toolchain",\n', '    "//:not_a_dsa_toolchain",\n')
+    proc, _ = ws.build(expect_ok=False)
+    assert "is not a dsa_python_toolchain (no DsaPythonInfo)" in proc.stderr, proc.stderr[-4000:]
+    assert "register a dsa_python_env's `:dsa_toolchain`" in proc.stderr, proc.stderr[-4000:]

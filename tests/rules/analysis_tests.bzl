@@ -366,6 +366,35 @@ def _python_env_export_test_impl(ctx):
 # interpreter, with the environment's identity and the stage's own sources as inputs.
 python_env_export_test = analysistest.make(_python_env_export_test_impl)
 
+def _toolchain_identity_test_impl(ctx):
+    env = analysistest.begin(ctx)
+    identity = ctx.attr.identity
+    for action in analysistest.target_actions(env):
+        if not action.mnemonic.startswith("Dsa"):
+            continue
+        inputs = [f.short_path for f in action.inputs.to_list()]
+        asserts.true(env, identity in inputs, "%s lacks the toolchain's identity %s among its inputs" % (action.mnemonic, identity))
+        if action.mnemonic == "DsaLock":
+            asserts.equals(env, [f for f in _flag_values(action.argv, "--identity")], [ctx.attr.identity_path], "DsaLock --identity")
+    return analysistest.end(env)
+
+_TOOLCHAIN_IDENTITY_ATTRS = {
+    "identity": attr.string(mandatory = True, doc = "short_path of the identity.json every Dsa action must take."),
+    "identity_path": attr.string(mandatory = True, doc = "its path, as DsaLock's --identity names it."),
+}
+
+# Every Dsa action of a rule takes the identity of the environment registered for
+# //toolchains/python:toolchain_type (WORKSPACE.bazel: @dsa_python//:dsa_toolchain) ...
+toolchain_identity_test = analysistest.make(_toolchain_identity_test_impl, attrs = _TOOLCHAIN_IDENTITY_ATTRS)
+
+# ... and of another one registered before it (tests/rules:fake_dsa_toolchain, as a user's workspace would
+# register its own environment): the rules resolve the toolchain, they name no environment themselves.
+fake_toolchain_identity_test = analysistest.make(
+    _toolchain_identity_test_impl,
+    attrs = _TOOLCHAIN_IDENTITY_ATTRS,
+    config_settings = {"//command_line_option:extra_toolchains": ["//tests/rules:fake_dsa_toolchain"]},
+)
+
 def _sharded_checkpoint_test_impl(ctx):
     env = analysistest.begin(ctx)
     info = analysistest.target_under_test(env)[DsaModelInfo]
@@ -398,6 +427,15 @@ analysis_failure_test = analysistest.make(
     _analysis_failure_test_impl,
     expect_failure = True,
     attrs = {"message": attr.string(mandatory = True)},
+)
+
+# A toolchain of that type whose target is no dsa_python_toolchain (here a Python runtime pair) fails the
+# rule's analysis with a message saying what to register.
+not_a_dsa_toolchain_test = analysistest.make(
+    _analysis_failure_test_impl,
+    expect_failure = True,
+    attrs = {"message": attr.string(mandatory = True)},
+    config_settings = {"//command_line_option:extra_toolchains": ["//tests/rules:not_a_dsa_toolchain"]},
 )
 
 # ---- the suite ----------------------------------------------------------------------------------------
@@ -511,6 +549,24 @@ def dsa_rules_analysis_tests(name):
         (python_env_export_test, "dsa_model_with_python_env_exports_on_its_interpreter", {"target_under_test": ":env_model"}),
         (sharded_checkpoint_test, "dsa_model_of_a_sharded_checkpoint_reads_the_index_and_every_shard", {"target_under_test": ":sharded_model"}),
 
+        # (3b) the environment comes from the registered toolchain
+        (toolchain_identity_test, "dsa_vmfb_actions_take_the_registered_toolchains_identity", {
+            "target_under_test": ":untuned_vmfb",
+            "identity": "../dsa_python/identity.json",
+            "identity_path": "external/dsa_python/identity.json",
+        }),
+        (fake_toolchain_identity_test, "dsa_vmfb_actions_take_the_identity_of_a_toolchain_registered_first", {
+            "target_under_test": ":untuned_vmfb",
+            "identity": "tests/rules/fake_env/identity.json",
+            "identity_path": "tests/rules/fake_env/identity.json",
+        }),
+        # A dsa_model of a source checkpoint: under allow_analysis_failures, Bazel 4.2.3 crashes on a failed
+        # rule's predeclared output (dsa_checkpoint's) that another target reads.
+        (not_a_dsa_toolchain_test, "a_toolchain_that_is_no_dsa_python_toolchain_fails_naming_what_to_register", {
+            "target_under_test": ":lerobot_model",
+            "message": "is not a dsa_python_toolchain (no DsaPythonInfo): register a dsa_python_env's `:dsa_toolchain`",
+        }),
+
         # (4) failure messages
         (analysis_failure_test, "dsa_bundle_with_module_and_pipeline_fails", {
             "target_under_test": ":bundle_with_module_and_pipeline",
@@ -546,7 +602,7 @@ def dsa_rules_analysis_tests(name):
         }),
         (analysis_failure_test, "dsa_model_with_a_python_env_that_is_no_env_fails", {
             "target_under_test": ":model_with_bad_python_env",
-            "message": "python_env must be a dsa_python_env's :env target (bin/python3 and identity.json)",
+            "message": "does not have mandatory providers: 'DsaPythonInfo'",
         }),
     ]
     for rule, test_name, attrs in tests:

@@ -95,7 +95,8 @@ def test_attributes_from_shared_dicts_are_resolved_through_load_and_overrides_wi
     # dsa_model gets python_env from ENV_ATTRS in common.bzl; dsa_lerobot_policy overrides it with its own.
     assert "LeRobot policies (framework: lerobot) need" in _section(text, "dsa_model")
     lerobot = _section(text, "dsa_lerobot_policy")
-    assert '`Label("@dsa_lerobot_python//:env")`' in lerobot and "The dsa_python_env with LeRobot installed." in lerobot
+    assert '`Label("@dsa_lerobot_python//:env")`' in lerobot
+    assert "The environment (DsaPythonInfo: a dsa_python_env's `:env`) with LeRobot installed." in lerobot
 
 
 def test_private_attributes_are_left_out(text):
@@ -153,12 +154,29 @@ def test_generator_reads_any_root_given_to_it(tmp_path):
     ('ATTRS = {}\nATTRS.update({"x": attr.int()})\ndsa_thing = rule(implementation = None, attrs = ATTRS)\n', 2),
     # A name defined nowhere.
     ('dsa_thing = rule(implementation = None, attrs = MISSING)\n', 1),
+    # str() of something that is neither a string nor a Label.
+    ('dsa_thing = rule(implementation = None, toolchains = [str({})])\n', 1),
 ])
 def test_generator_refuses_a_construct_it_cannot_evaluate_naming_file_and_line(tmp_path, construct, line):
     root = _tree(tmp_path, construct)
     with pytest.raises(RulesDocError) as raised:
         render(root)
     assert str(raised.value).startswith(f"rules/private/thing.bzl:{line}: "), str(raised.value)
+
+
+def test_generator_takes_str_of_a_label_as_a_rule_s_toolchains_and_keeps_the_rule(tmp_path):
+    root = _tree(tmp_path, '''\
+        TYPE = Label("//toolchains/python:toolchain_type")
+
+        dsa_thing = rule(
+            implementation = None,
+            doc = "A thing.",
+            toolchains = [str(TYPE)],
+            attrs = {"n": attr.int(doc = "N.")},
+        )
+        ''')
+    text = render(root)
+    assert "### dsa_thing" in text and "| `n` | int | optional, default `0` |  | N. |" in text
 
 
 def test_generator_refuses_an_unparseable_file_naming_file_and_line(tmp_path):
