@@ -579,7 +579,7 @@ def test_editing_a_stage_module_reruns_that_stage_and_the_lock(ws, rule_set_edit
 # A user's own Python environment. Last: it rebuilds everything in another environment, which the tests
 # above would otherwise see as reruns.
 
-# What a user's WORKSPACE adds before rules_dsa's registrations (README.md, "Your own Python environment").
+# What a user's WORKSPACE adds before rules_dsa's registrations (docs/python-environments.md).
 USER_ENV = "my_python"
 _USER_ENV_WORKSPACE = f"""dsa_python_env(
     name = "{USER_ENV}",

@@ -66,5 +66,5 @@ def dsa_python_of(ctx):
     if info == None:
         fail(("%s: the toolchain registered for %s is not a dsa_python_toolchain (no DsaPythonInfo): " +
               "register a dsa_python_env's `:dsa_toolchain`, or a toolchain() whose `toolchain` is a " +
-              "dsa_python_toolchain target (README.md, \"Your own Python environment\").") % (ctx.label, DSA_PYTHON_TOOLCHAIN_TYPE))
+              "dsa_python_toolchain target (docs/python-environments.md).") % (ctx.label, DSA_PYTHON_TOOLCHAIN_TYPE))
     return info
