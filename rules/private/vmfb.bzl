@@ -77,8 +77,8 @@ def _tuning_for(ctx, target, overridden):
 
 def _dsa_vmfb_impl(ctx):
     name = ctx.label.name
-    # A build may choose another target for every dsa_vmfb: --//:target=aarch64-orin (or a label of the
-    # user's own dsa_target). Its actions are distinct cache entries: the spec is an input of each.
+    # A build may choose another target for every dsa_vmfb: --//:target=//toolchains/targets:aarch64-orin (or
+    # the label of the user's own dsa_target). Its actions are distinct cache entries: the spec is an input of each.
     override = ctx.attr._target_flag[DsaTargetInfo]
     target = override if override.name else ctx.attr.target[DsaTargetInfo]
     tuning = _tuning_for(ctx, target, bool(override.name))

@@ -270,7 +270,7 @@ def _dsa_compile_argv_test_impl(ctx):
     return analysistest.end(env)
 
 def _target_override_test_impl(ctx):
-    """Under --//:target=aarch64-orin, every DsaCompile of a dsa_vmfb whose own target is x86_64-v3 compiles
+    """Under --//:target=//toolchains/targets:aarch64-orin, every DsaCompile of a dsa_vmfb whose own target is x86_64-v3 compiles
     for aarch64-orin, with the same family's tuning file for aarch64-orin."""
     env = analysistest.begin(ctx)
     compiles = [a for a in analysistest.target_actions(env) if a.mnemonic == "DsaCompile"]

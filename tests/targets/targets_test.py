@@ -1,11 +1,11 @@
 """Every target //models:pi0 is built for: each module holds executables of the target's own format only
 (read back with iree-dump-module), passes the IREE runtime's bytecode verifier (no device needed), and was
-compiled with the target spec's flags; the specs are complete; a GPU target whose driver this machine lacks is
-refused before anything is loaded, naming the target and the driver."""
+compiled with the target spec's flags; every spec file is complete and has its dsa_target; π0 is built for
+exactly its manifest's targets; a GPU target whose driver this machine lacks is refused before anything is
+loaded, naming the target and the driver."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 from pathlib import Path
@@ -14,13 +14,17 @@ import pytest
 
 from dsa.core.errors import DsaError
 from dsa.core.fileio import read_json
+from dsa.manifest.contract import load_manifest
 from dsa.runtime.host import check_host, missing_driver
 from dsa.tools.testing import runfile
 
 SPECS = runfile("toolchains/targets")
-TARGETS_BZL = runfile("toolchains/targets/targets.bzl")
-NAMES = sorted(json.loads(re.search(r"RULE_SET_TARGETS = (\[.*?\])", TARGETS_BZL.read_text(), re.S).group(1)
-                          .replace(",\n]", "\n]")))
+# Every spec file of toolchains/targets (//toolchains/targets:specs): each one is a target, by its file name.
+NAMES = sorted(p.stem for p in SPECS.glob("*.json"))
+# The dsa_target made for each spec (//toolchains/targets:index).
+INDEX = read_json(runfile("toolchains/targets/index/dsa_targets.json"))
+# π0's targets, its own first (manifests/pi0.yaml; //models:pi0_all_targets builds each).
+PI0_TARGETS = load_manifest(runfile("manifests/pi0.yaml"), known_targets=NAMES)["targets"]
 FORMATS = {"embedded-elf-x86_64", "embedded-elf-arm_64", "embedded-elf-riscv_64", "cuda-nvptx-fb",
            "rocm-hsaco-fb", "vulkan-spirv-fb"}
 
@@ -35,8 +39,8 @@ def _dump_module():
     return runtime_tool_path("iree-dump-module")
 
 
-def test_every_spec_is_a_rule_set_target_and_complete():
-    assert sorted(p.stem for p in SPECS.glob("*.json")) == NAMES
+def test_every_spec_is_complete():
+    assert NAMES, SPECS
     for name in NAMES:
         spec = read_json(SPECS / f"{name}.json")
         assert spec["name"] == name
@@ -48,8 +52,26 @@ def test_every_spec_is_a_rule_set_target_and_complete():
         assert ("host" in spec) == (spec["device"] == "local"), name
 
 
-# vulkan-adreno: IREE 3.13 cannot compile π0's 128-token bucket for it (models/BUILD.bazel, docs/targets.md).
-BUILT = [n for n in NAMES if n != "vulkan-adreno"]
+def test_every_spec_has_its_dsa_target():
+    made = {row["name"]: row["spec"] for row in INDEX["targets"]}
+    assert sorted(made) == NAMES, ("a spec file of toolchains/targets without its dsa_target, or a dsa_target "
+                                   "without its spec: see toolchains/targets/BUILD.bazel")
+    assert all(spec == f"toolchains/targets/{name}.json" for name, spec in made.items()), made
+
+
+def test_pi0_is_built_for_exactly_its_manifests_targets():
+    """models/BUILD.bazel's PI0_MORE_TARGETS (through //models:pi0_all_targets) against manifests/pi0.yaml."""
+    built = {"x86_64-v3"} | {p.name[len("pi0_"):-len(".modules.json")]
+                             for p in runfile("models").glob("pi0_*.modules.json")}
+    assert PI0_TARGETS[0] == "x86_64-v3"
+    assert built == set(PI0_TARGETS), ("models/BUILD.bazel PI0_MORE_TARGETS and manifests/pi0.yaml targets "
+                                       f"differ: only in the BUILD {sorted(built - set(PI0_TARGETS))}, only in "
+                                       f"the manifest {sorted(set(PI0_TARGETS) - built)}")
+
+
+# vulkan-adreno: IREE 3.13 cannot compile π0's 128-token bucket for it (models/BUILD.bazel, docs/targets.md),
+# so π0's manifest does not list it.
+BUILT = PI0_TARGETS
 
 
 @pytest.mark.parametrize("name", BUILT)
