@@ -229,17 +229,19 @@ class PipelineIndex(JsonArtifact):
 
 class PoliciesIndex(JsonArtifact):
     """`policies_index.json` (Starlark's dsa_policies writes it): `policies`, one row per dsa_policy (POLICY_ROW:
-    paths relative to the workspace's output root; None where the policy has none) and `pipelines`, one row per
-    dsa_pipeline (PIPELINE_ROW). `read` refuses a row that lacks a field or gives it the wrong type, naming the
+    paths relative to the workspace's output root; None where the policy has none; `test`: its test target or "")
+    and `pipelines`, one row per dsa_pipeline (PIPELINE_ROW). `read` refuses a row that lacks a field or gives it the wrong type, naming the
     file, the row and the field."""
 
     KIND = "policies index"
     FORMAT = POLICIES_INDEX_FORMAT
     REQUIRED = ("policies", "pipelines")
-    # field → whether it may be null (every value is otherwise a non-empty string)
-    POLICY_ROW = {"name": False, "label": False, "test": False, "index": False, "manifest": False,
-                  "checkpoint": False, "policy_config": True, "model_file": True, "python": True}
-    PIPELINE_ROW = {"name": False, "label": False, "test": False, "index": False}
+    # field → what it holds: "path" (a non-empty string), "path or null", "text" (a string; a policy without a
+    # test target has "" as its test)
+    POLICY_ROW = {"name": "path", "label": "path", "test": "text", "index": "path", "manifest": "path",
+                  "checkpoint": "path", "policy_config": "path or null", "model_file": "path or null",
+                  "python": "path or null"}
+    PIPELINE_ROW = {"name": "path", "label": "path", "test": "text", "index": "path"}
 
     @classmethod
     def check(cls, data, where: str) -> dict:
@@ -252,14 +254,18 @@ class PoliciesIndex(JsonArtifact):
             for i, row in enumerate(rows):
                 if not isinstance(row, dict):
                     raise DsaError(f"{where}: {section}[{i}]", f"is {type(row).__name__}, not an object", hint)
-                for field, nullable in fields.items():
+                for field, holds in fields.items():
                     if field not in row:
                         raise DsaError(f"{where}: {section}[{i}].{field}", "is missing", hint)
                     value = row[field]
-                    if not (isinstance(value, str) and value) and not (nullable and value is None):
-                        raise DsaError(f"{where}: {section}[{i}].{field}",
-                                       f"is {str(value)[:60]!r}, not a non-empty string"
-                                       + (" or null" if nullable else ""), hint)
+                    if holds == "text":
+                        ok, wanted = isinstance(value, str), "a string"
+                    else:
+                        ok = (isinstance(value, str) and value != "") or (holds == "path or null" and value is None)
+                        wanted = "a non-empty string" + (" or null" if holds == "path or null" else "")
+                    if not ok:
+                        raise DsaError(f"{where}: {section}[{i}].{field}", f"is {str(value)[:60]!r}, not {wanted}",
+                                       hint)
                 if section == "pipelines":
                     stages = row.get("stages")
                     if not (isinstance(stages, list) and stages and all(isinstance(s, str) and s for s in stages)):

@@ -122,6 +122,8 @@ def _write(tmp_path, data) -> Path:
 
 def test_a_well_formed_policies_index_is_read(tmp_path):
     assert PoliciesIndex.read(_write(tmp_path, INDEX)) == INDEX
+    untested = _broken(lambda d: d["policies"][1].update(test=""))  # a dsa_policy without a test target
+    assert PoliciesIndex.read(_write(tmp_path, untested)) == untested
 
 
 def _broken(edit):
@@ -139,6 +141,7 @@ def _broken(edit):
     (lambda d: d["policies"][0].update(manifest=None), ": policies[0].manifest", "not a non-empty string"),
     (lambda d: d["policies"][0].update(policy_config=3), ": policies[0].policy_config",
      "is '3', not a non-empty string or null"),
+    (lambda d: d["policies"][1].update(test=None), ": policies[1].test", "is 'None', not a string"),
     (lambda d: d["pipelines"][0].update(stages="groot_head"), ": pipelines[0].stages",
      "not a non-empty list of dsa_vmfb names"),
 ])
