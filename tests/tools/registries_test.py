@@ -7,6 +7,7 @@ and by the benchmark."""
 import ast
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from dsa.core.errors import DsaError
 from dsa.core.formats import FILE_FRAMEWORKS, FILE_FRONT_ENDS, PoliciesIndex
 from dsa.core.lerobot_types import LEROBOT_TYPES, LeRobotType
 from dsa.manifest.contract import INPUT_TYPES, SCHEMA
+from dsa.tools.testing import runfile
 
 PACKAGE = Path(dsa.__file__).parent
 
@@ -89,6 +91,15 @@ def test_every_file_front_end_names_an_importer_a_weights_reader_and_an_input_ty
     assert front_end.weights in WEIGHT_READERS, f"{name}: dsa.stages.params has no weights reader {front_end.weights!r}"
     assert INPUT_TYPES[name] == front_end.input_type
     assert front_end.suffixes and all(s.startswith(".") for s in front_end.suffixes)
+
+
+def test_dsa_model_allows_every_file_front_ends_suffix():
+    text = runfile("rules/private/model.bzl").read_text()
+    found = re.search(r'"model_file": attr\.label\(allow_single_file = \[([^\]]*)\]', text)
+    assert found, "rules/private/model.bzl: no model_file attribute with allow_single_file"
+    allowed = set(re.findall(r'"([^"]+)"', found.group(1)))
+    missing = sorted({s for f in FILE_FRONT_ENDS.values() for s in f.suffixes} - allowed)
+    assert not missing, f"rules/private/model.bzl: dsa_model's model_file does not allow {missing}: add them"
 
 
 def test_the_registry_gives_todays_input_types():
