@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Tuple
+from typing import Dict, Tuple
 
 from dsa.core.errors import DsaError
 from dsa.core.fileio import canonical_json, read_json, write_bytes_atomic
@@ -41,15 +41,49 @@ LINK_FORMAT = 1
 # The IREE parameter scope every exported module names its weights under (`#stream.parameter.named<"model"::...>`),
 # whatever front end wrote it (torch export, ONNX, StableHLO): the runtime binds one archive to it.
 PARAMETER_SCOPE = "model"
-# Frameworks whose model is a file the export imports as it is (the manifest's model.file; the contract checks that
-# exactly these have one), not code an entry point builds.
-FILE_FRAMEWORKS: Tuple[str, ...] = ("onnx", "stablehlo")
 # Tuning files (toolchains/tuning/<family>.<target>.json): flags per model family and target.
 TUNING_FORMAT = 1
 # policy_pipeline.json: a LeRobot policy's processors and module, as a pipeline bundle ships them.
 POLICY_PIPELINE_FORMAT = 1
 # <name>.pipeline.json: the stages of a dsa_pipeline, in run order.
 PIPELINE_INDEX_FORMAT = 1
+# policies_index.json: the dsa_policy / dsa_pipeline targets of models/BUILD.bazel (dsa_policies,
+# rules/private/policy.bzl), for the tools (benchmark, import matrix).
+POLICIES_INDEX_FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class FileFrontEnd:
+    """A framework whose model is a file the export imports as it is (the manifest's model.file), not code an
+    entry point builds. `importer`: "module:function" in dsa/stages/, called as
+    `function(view, model_file, bucket=..., manifest_name=...) -> (mlir, record)` by dsa.stages.export;
+    `input_type`: the `--iree-input-type` its compile view carries (dsa.manifest.contract); `weights`: the reader
+    dsa.stages.params opens the checkpoint with (a key of its WEIGHT_READERS: "safetensors", or "onnx" for an
+    ONNX record's external-data file); `weights_file`: what the manifest's checkpoint is, for messages;
+    `suffixes`: the model file's (rules/private/model.bzl's `model_file` allows them; a test checks);
+    `label`: how the model reached IREE, as the import matrix writes it."""
+
+    name: str
+    importer: str
+    input_type: str
+    weights: str
+    weights_file: str
+    suffixes: Tuple[str, ...]
+    label: str
+
+
+# The file front ends, one record each (docs/frontends.md); the manifest schema's `framework` enum lists every
+# one (//tests/manifest checks).
+FILE_FRONT_ENDS: Dict[str, FileFrontEnd] = {f.name: f for f in (
+    FileFrontEnd("onnx", importer="dsa.stages.onnx_import:export_onnx", input_type="onnx", weights="onnx",
+                 weights_file="the model's external-data file", suffixes=(".onnx",),
+                 label="ONNX (IREE's importer)"),
+    FileFrontEnd("stablehlo", importer="dsa.stages.stablehlo_import:export_stablehlo", input_type="stablehlo",
+                 weights="safetensors", weights_file="a safetensors file of tensors by parameter name",
+                 suffixes=(".mlir",), label="StableHLO (jax.export)"),
+)}
+# Their names (the contract checks that exactly these have a model.file).
+FILE_FRAMEWORKS: Tuple[str, ...] = tuple(FILE_FRONT_ENDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +225,53 @@ class PipelineIndex(JsonArtifact):
     KIND = "pipeline index"
     FORMAT = PIPELINE_INDEX_FORMAT
     REQUIRED = ("link", "stages")
+
+
+class PoliciesIndex(JsonArtifact):
+    """`policies_index.json` (Starlark's dsa_policies writes it): `policies`, one row per dsa_policy (POLICY_ROW:
+    paths relative to the workspace's output root; None where the policy has none; `test`: its test target or "")
+    and `pipelines`, one row per dsa_pipeline (PIPELINE_ROW). `read` refuses a row that lacks a field or gives it the wrong type, naming the
+    file, the row and the field."""
+
+    KIND = "policies index"
+    FORMAT = POLICIES_INDEX_FORMAT
+    REQUIRED = ("policies", "pipelines")
+    # field → what it holds: "path" (a non-empty string), "path or null", "text" (a string; a policy without a
+    # test target has "" as its test)
+    POLICY_ROW = {"name": "path", "label": "path", "test": "text", "index": "path", "manifest": "path",
+                  "checkpoint": "path", "policy_config": "path or null", "model_file": "path or null",
+                  "python": "path or null"}
+    PIPELINE_ROW = {"name": "path", "label": "path", "test": "text", "index": "path"}
+
+    @classmethod
+    def check(cls, data, where: str) -> dict:
+        data = super().check(data, where)
+        hint = "rebuild //models:policies_index (rules/private/policy.bzl's dsa_policies writes it)"
+        for section, fields in (("policies", cls.POLICY_ROW), ("pipelines", cls.PIPELINE_ROW)):
+            rows = data[section]
+            if not isinstance(rows, list):
+                raise DsaError(f"{where}: {section}", f"is {type(rows).__name__}, not a list of rows", hint)
+            for i, row in enumerate(rows):
+                if not isinstance(row, dict):
+                    raise DsaError(f"{where}: {section}[{i}]", f"is {type(row).__name__}, not an object", hint)
+                for field, holds in fields.items():
+                    if field not in row:
+                        raise DsaError(f"{where}: {section}[{i}].{field}", "is missing", hint)
+                    value = row[field]
+                    if holds == "text":
+                        ok, wanted = isinstance(value, str), "a string"
+                    else:
+                        ok = (isinstance(value, str) and value != "") or (holds == "path or null" and value is None)
+                        wanted = "a non-empty string" + (" or null" if holds == "path or null" else "")
+                    if not ok:
+                        raise DsaError(f"{where}: {section}[{i}].{field}", f"is {str(value)[:60]!r}, not {wanted}",
+                                       hint)
+                if section == "pipelines":
+                    stages = row.get("stages")
+                    if not (isinstance(stages, list) and stages and all(isinstance(s, str) and s for s in stages)):
+                        raise DsaError(f"{where}: pipelines[{i}].stages", f"is {str(stages)[:60]!r}, not a "
+                                       "non-empty list of dsa_vmfb names", hint)
+        return data
 
 
 class BundleMeta(JsonArtifact):

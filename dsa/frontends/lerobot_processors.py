@@ -34,6 +34,7 @@ from typing import Dict, Optional
 
 from dsa.core.determinism import pin_math_libraries
 from dsa.core.errors import DsaError, run_cli
+from dsa.core.lerobot_types import LEROBOT_TYPES
 
 TOKENIZER_VOCAB = 512
 TOKENIZER_FILES = ("special_tokens_map.json", "tokenizer.json", "tokenizer_config.json")
@@ -98,7 +99,7 @@ def write_processors(policy_dir: Path, seed: int, out_dir: Path, tokenizer: Opti
 
     from lerobot.policies.factory import make_pre_post_processors
 
-    tokenises = policy_type in ("smolvla", "pi0", "pi05")
+    tokenises = LEROBOT_TYPES[policy_type].tokenises
     if tokenises and tokenizer is None:
         raise DsaError("--tokenizer", f"a {policy_type} preprocessor tokenises the task: it needs a tokenizer "
                        "directory", "pass --tokenizer DIR (tokenizer.json + tokenizer_config.json)")

@@ -35,7 +35,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 import yaml
 
 from dsa.core.fileio import write_json_atomic
-from dsa.core.formats import FILE_FRAMEWORKS, RENAMED_ENTRY_POINTS  # noqa: F401 (FILE_FRAMEWORKS: part of this API)
+from dsa.core.formats import (FILE_FRAMEWORKS, FILE_FRONT_ENDS,  # noqa: F401 (FILE_FRAMEWORKS: part of this API)
+                              RENAMED_ENTRY_POINTS)
 from jsonschema import Draft202012Validator, validators
 
 SCHEMA_PATH = Path(__file__).parent / "schema" / "manifest.schema.json"
@@ -44,7 +45,7 @@ SCHEMA: Dict[str, Any] = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
 SCHEMA_VERSION: Tuple[int, int, int] = tuple(int(p) for p in SCHEMA["x-version"].split("."))
 EXTENSION_PREFIX = "x-"
 # Framework → the MLIR input dialect of its export, when not torch (the compile stage's --iree-input-type).
-INPUT_TYPES: Dict[str, str] = {"onnx": "onnx", "stablehlo": "stablehlo"}
+INPUT_TYPES: Dict[str, str] = {f.name: f.input_type for f in FILE_FRONT_ENDS.values()}
 
 # View name → the stage that reads it.
 VIEWS: Dict[str, str] = {
@@ -545,9 +546,10 @@ def _semantic_problems(
             )
     shards = manifest["checkpoint"].get("shards")
     if shards is not None:
-        if framework == "onnx":
-            yield (("checkpoint", "shards"), "framework 'onnx' reads its weights from the model's external-data file",
-                   "remove checkpoint.shards")
+        file_front_end = FILE_FRONT_ENDS.get(framework)
+        if file_front_end is not None and file_front_end.weights != "safetensors":
+            yield (("checkpoint", "shards"), f"framework '{framework}' reads its weights from "
+                   f"{file_front_end.weights_file}", "remove checkpoint.shards")
         first_shard: Dict[str, int] = {}
         for i, shard in enumerate(shards):
             if shard["file"] in first_shard:

@@ -35,6 +35,7 @@ import numpy as np
 from dsa.core.errors import DsaError
 from dsa.core.fileio import sha256_file
 from dsa.core.formats import POLICY_PIPELINE_FORMAT
+from dsa.core.lerobot_types import LEROBOT_TYPE_NAMES, LEROBOT_TYPES
 POLICY_PIPELINE_JSON = "policy_pipeline.json"
 POLICY_CONFIG_JSON = "policy_config.json"
 PREPROCESSOR_JSON = "policy_preprocessor.json"
@@ -42,7 +43,8 @@ POSTPROCESSOR_JSON = "policy_postprocessor.json"
 TOKENIZER_JSON = "tokenizer.json"
 # Inputs of a network that the runtime makes itself (not from the observation).
 NOISE_INPUT = "noise"
-POLICY_TYPES = ("act", "diffusion", "smolvla", "pi0", "pi05")
+# The LeRobot policy types a pipeline is built for: those of the one table, dsa.core.lerobot_types.
+POLICY_TYPES = LEROBOT_TYPE_NAMES
 
 
 def _is_image(key: str) -> bool:
@@ -114,6 +116,7 @@ def describe(manifest: Mapping[str, Any], manifest_path: str, members: Mapping[s
     policy_type = config.get("type")
     if policy_type not in POLICY_TYPES:
         raise DsaError(f"{where}: type", f"is {policy_type!r}", f"a policy pipeline is built for {', '.join(POLICY_TYPES)}")
+    facts = LEROBOT_TYPES[policy_type]
     tokenizer = members.get(TOKENIZER_JSON)
     pre = ProcessorPipeline.load(Path(members[PREPROCESSOR_JSON]), tokenizer_file=tokenizer, lazy_tokenizer=True)
     post = ProcessorPipeline.load(Path(members[POSTPROCESSOR_JSON]))
@@ -185,8 +188,8 @@ def describe(manifest: Mapping[str, Any], manifest_path: str, members: Mapping[s
     loop = {
         "n_action_steps": n_action_steps,
         "chunk_size": chunk,
-        "n_obs_steps": int(config.get("n_obs_steps", 1)) if policy_type == "diffusion" else 1,
-        "temporal_ensemble_coeff": config.get("temporal_ensemble_coeff") if policy_type == "act" else None,
+        "n_obs_steps": int(config.get(facts.obs_steps_field, 1)) if facts.obs_steps_field else 1,
+        "temporal_ensemble_coeff": config.get("temporal_ensemble_coeff") if facts.temporal_ensemble else None,
         "noise": noise,
         "steps": steps,
         # The manifest's prompt pad id: what pads a prompt shorter than the module's (see _as_input).
@@ -410,7 +413,7 @@ class PolicyPipeline:
         coeff = temporal_ensemble_coeff if temporal_ensemble_coeff is not None else loop["temporal_ensemble_coeff"]
         self.ensembler = None
         if coeff is not None:
-            if spec["policy_type"] != "act":
+            if not LEROBOT_TYPES[spec["policy_type"]].temporal_ensemble:
                 raise DsaError("temporal_ensemble_coeff", f"is ACT's; this bundle's policy is {spec['policy_type']}")
             self.n_action_steps = 1  # LeRobot's ACT: ensembling runs the network every step
             self.ensembler = TemporalEnsembler(float(coeff), int(loop["chunk_size"]))

@@ -32,8 +32,8 @@ from dsa.stages import importer_fixes
 from dsa.core.determinism import pin_math_libraries
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, sha256_bytes, sha256_file, write_bytes_atomic
-from dsa.core.formats import (FILE_FRAMEWORKS, PARAMETER_SCOPE, RECORD_FORMAT, ExportRecord,  # noqa: F401
-                              current_entry_point)
+from dsa.core.formats import (FILE_FRAMEWORKS, FILE_FRONT_ENDS, PARAMETER_SCOPE,  # noqa: F401
+                              RECORD_FORMAT, ExportRecord, current_entry_point)
 from dsa.stages.precision import apply_precision
 from dsa.stages.quant import quantize_module, scale_name
 from dsa.stages.spec import DTYPE_NAMES, ExportSpec, InputSpec
@@ -641,8 +641,8 @@ def export_model(
 
 def _import_model_file(view: dict, out_mlir: Path, out_record: Path, model_file, *, bucket, reference_record,
                        manifest_name: str) -> dict:
-    """DsaExport of a framework whose model is a file (onnx: dsa.stages.onnx_import; stablehlo:
-    dsa.stages.stablehlo_import): the same outputs and record checks as a PyTorch export."""
+    """DsaExport of a framework whose model is a file (its importer: dsa.core.formats.FILE_FRONT_ENDS): the same
+    outputs and record checks as a PyTorch export."""
     if model_file is None:
         raise DsaError(f"{manifest_name}: model.file",
                        f"framework '{view['framework']}' imports a model file, and none was given",
@@ -651,10 +651,8 @@ def _import_model_file(view: dict, out_mlir: Path, out_record: Path, model_file,
     if not model_file.is_file():
         raise DsaError(f"{manifest_name}: model.file", f"no such file: {model_file}",
                        "build or copy the model file next to the manifest")
-    if view["framework"] == "onnx":
-        from dsa.stages.onnx_import import export_onnx as importer
-    else:
-        from dsa.stages.stablehlo_import import export_stablehlo as importer
+    module, _, function = FILE_FRONT_ENDS[view["framework"]].importer.partition(":")
+    importer = getattr(importlib.import_module(module), function)
     mlir, record = importer(view, model_file, bucket=bucket, manifest_name=manifest_name)
     record = dict(format=RECORD_FORMAT, **record)
     if reference_record is not None and reference_record["parameters"] != record["parameters"]:

@@ -33,7 +33,7 @@ from dsa.stages.tensor_files import (FLOAT_DTYPES, TensorInfo, TensorSource, che
 
 # Same metadata form as iree-turbine's ParameterArchiveBuilder, so turbine's ParameterArchive reads it back.
 from dsa.core.formats import PARAMETER_METADATA_PREFIX as _METADATA_PREFIX
-from dsa.core.formats import ExportRecord
+from dsa.core.formats import FILE_FRONT_ENDS, ExportRecord
 
 
 def _metadata(dtype: str, shape) -> str:
@@ -172,13 +172,23 @@ class OnnxTensors(TensorSource):
             self._fd = None
 
 
+# A file front end's `weights` (dsa.core.formats.FILE_FRONT_ENDS) → how its checkpoint is read; every other
+# framework's checkpoint is "safetensors" (a file or a sharded checkpoint).
+WEIGHT_READERS = {
+    "safetensors": lambda checkpoint, record, view, manifest_name: open_checkpoint(
+        checkpoint, view=view, manifest_name=manifest_name),
+    "onnx": lambda checkpoint, record, view, manifest_name: OnnxTensors(checkpoint, record),
+}
+
+
 def open_tensors(checkpoint: Path, record: dict, view: Optional[dict] = None,
                  manifest_name: str = "manifest") -> TensorSource:
-    """The checkpoint's tensors by parameter name: a safetensors file or sharded checkpoint, or for an ONNX
-    export (framework onnx) the model's weights where its record places them."""
-    if record.get("framework") == "onnx":
-        return OnnxTensors(checkpoint, record)
-    return open_checkpoint(checkpoint, view=view, manifest_name=manifest_name)
+    """The checkpoint's tensors by parameter name, by the reader of the record's framework (WEIGHT_READERS): a
+    safetensors file or sharded checkpoint, or for an ONNX export (framework onnx) the model's weights where its
+    record places them."""
+    file_front_end = FILE_FRONT_ENDS.get(record.get("framework"))
+    weights = file_front_end.weights if file_front_end is not None else "safetensors"
+    return WEIGHT_READERS[weights](checkpoint, record, view, manifest_name)
 
 
 _CHECKPOINT_FLOATS = ("float32", "bfloat16", "float16")

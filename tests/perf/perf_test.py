@@ -321,12 +321,20 @@ def test_current_flags_stay_unless_the_winner_beats_them_by_the_margin():
 def test_lerobot_policies_are_the_index_rows_with_a_policy_config(tmp_path):
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "policies_index.json").write_text(json.dumps({"format": 1, "pipelines": [], "policies": [
-        {"name": "pi0", "index": "models/pi0.modules.json", "policy_config": None, "test": ""},
-        {"name": "act", "index": "models/act.modules.json", "policy_config": "models/act_policy/config.json",
-         "test": "//models/act:act_test"}]}))
+        {"name": "pi0", "label": "//models:pi0", "index": "models/pi0.modules.json", "manifest": "manifests/pi0.yaml",
+         "checkpoint": "models/pi0.safetensors", "policy_config": None, "model_file": None, "python": None,
+         "test": ""},
+        {"name": "act", "label": "//models:act", "index": "models/act.modules.json", "manifest": "manifests/act.yaml",
+         "checkpoint": "models/act_policy/model.safetensors", "policy_config": "models/act_policy/config.json",
+         "model_file": None, "python": "lerobot/bin/python3", "test": "//models/act:act_test"}]}))
     [policy] = lerobot_bench.lerobot_policies(tmp_path)
     assert (policy.name, policy.index, policy.policy_dir) == (
         "act", tmp_path / "models/act.modules.json", tmp_path / "models/act_policy")
+    index = json.loads((tmp_path / "models" / "policies_index.json").read_text())
+    del index["policies"][1]["index"]
+    (tmp_path / "models" / "policies_index.json").write_text(json.dumps(index))
+    with pytest.raises(DsaError, match=r"policies_index.json: policies\[1\].index: is missing"):
+        lerobot_bench.lerobot_policies(tmp_path)
 
 
 def test_quiet_wait_returns_at_once_on_an_idle_machine_and_reports_a_busy_one(monkeypatch):

@@ -29,8 +29,10 @@ def _checkout(tmp_path):
     (root / "toolchains" / "targets").symlink_to(runfile("toolchains/targets"))
     (root / "toolchains" / "tuning" / "candidates.json").write_text(json.dumps(CANDIDATES))
     (root / "models" / "policies_index.json").write_text(json.dumps({"format": 1, "pipelines": [], "policies": [
-        {"name": "pi05", "index": str(runfile("models/pi05.modules.json")),
-         "policy_config": str(runfile("models/pi05_policy/config.json")), "test": ""}]}))
+        {"name": "pi05", "label": "//models:pi05", "index": str(runfile("models/pi05.modules.json")),
+         "manifest": "manifests/pi05.yaml", "checkpoint": str(runfile("models/pi05_policy/model.safetensors")),
+         "policy_config": str(runfile("models/pi05_policy/config.json")), "model_file": None, "python": None,
+         "test": ""}]}))
     return root
 
 

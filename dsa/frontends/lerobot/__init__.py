@@ -22,8 +22,9 @@ Three things, all through LeRobot's own classes (lerobot 0.4.x), never a re-impl
 * `reference_actions(policy_dir, inputs, steps)`: eager LeRobot outputs of `PolicyClass.from_pretrained`, for
   parity checks.
 
-What differs between policy types lives in one module per type, registered in `POLICY_TYPES` (type name →
-module): `act`, `diffusion`, `smolvla`, `pi` (pi0 and pi05); `common` holds what they share. Each module's doc
+What differs between policy types lives in one module per type, `POLICY_TYPES` (type name → module), made from
+the table of types `dsa.core.lerobot_types` (each record names its `frontend` module): `act`, `diffusion`,
+`smolvla`, `pi` (pi0 and pi05); `common` holds what they share. Each module's doc
 describes its export adapter, inputs and reference. A policy module provides:
 
   TYPES                                    the type names it serves
@@ -36,14 +37,15 @@ describes its export adapter, inputs and reference. A policy module provides:
   export(view, policy, loop, batch)        the ExportSpec
   reference(policy, tensors, steps)        LeRobot's eager actions (called under torch.no_grad)
 
-Supported policy types: act, diffusion, smolvla, pi0, pi05. LeRobot and its dependencies are imported lazily,
-only by the functions that need them.
+Supported policy types: those registered in dsa.core.lerobot_types (act, diffusion, smolvla, pi0, pi05). LeRobot
+and its dependencies are imported lazily, only by the functions that need them.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -55,7 +57,8 @@ from typing import Any, List, Mapping, Optional
 
 from dsa.core.determinism import pin_math_libraries
 from dsa.core.errors import DsaError
-from dsa.frontends.lerobot import act, common, diffusion, pi, smolvla
+from dsa.core.lerobot_types import LEROBOT_TYPES
+from dsa.frontends.lerobot import common, pi
 from dsa.frontends.lerobot.common import (DENOISING_LOOPS, OBS_ENV_STATE, OBS_IMAGES,  # noqa: F401 (public API)
                                           OBS_LANGUAGE_ATTENTION_MASK, OBS_LANGUAGE_TOKENS, OBS_STATE, SAVED_FILES,
                                           bilinear_resize, camera_name)
@@ -63,14 +66,9 @@ from dsa.frontends.lerobot.diffusion import (BETA_SCHEDULES, alphas_cumprod, ddi
                                              ddim_timesteps)
 from dsa.frontends.lerobot.smolvla import SMOLVLM_SCHEME, smolvlm_name, write_smolvlm  # noqa: F401 (public API)
 
-# Policy type (config.json's `type`) → the module that handles it.
-POLICY_TYPES = {
-    "act": act,
-    "diffusion": diffusion,
-    "smolvla": smolvla,
-    "pi0": pi,
-    "pi05": pi,
-}
+# Policy type (config.json's `type`) → the module that handles it: the record's `frontend` in the one table of
+# LeRobot types (dsa.core.lerobot_types).
+POLICY_TYPES = {t.name: importlib.import_module(f"{__name__}.{t.frontend}") for t in LEROBOT_TYPES.values()}
 SUPPORTED_TYPES = tuple(POLICY_TYPES)
 # Policy types whose VLM is PaliGemma + a Gemma action expert (dsa.frontends.lerobot.third_party.openpi_transformers).
 PI_TYPES = pi.TYPES

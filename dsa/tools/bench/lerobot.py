@@ -15,6 +15,8 @@ import numpy as np
 
 from dsa.core.errors import DsaError, one_line
 from dsa.core.fileio import read_json, sha256_file
+from dsa.core.formats import PoliciesIndex
+from dsa.core.lerobot_types import LEROBOT_TYPES
 from dsa.core.runtime_flags import merge_runtime_flags
 from dsa.runtime import iree_flags
 from dsa.runtime.policy import read_module_index
@@ -39,7 +41,7 @@ def lerobot_policies(root: Path) -> List[Policy]:
     path = root / POLICIES_INDEX
     if not path.is_file():
         raise DsaError(str(path), "no policies index", "run the benchmark with `bazel run //bench`, which builds it")
-    rows = read_json(path)["policies"]
+    rows = PoliciesIndex.read(path)["policies"]
     return [Policy(r["name"], root / r["index"], (root / r["policy_config"]).parent)
             for r in rows if r.get("policy_config")]
 
@@ -69,9 +71,11 @@ def onnx_candidates(eager, policy, steps: Optional[int]):
     Diffusion Policy, whose eager sampling loop does not export (its scheduler indexes tables with
     data-dependent timesteps), next the front end's unrolled form of the same call (LeRobot's own
     generate_actions with the timesteps pinned as ints; equal to eager in dsa.frontends.lerobot's tests) when
-    the step count is the config's. Each is checked against eager in the same run."""
+    the step count is the config's — for every type of kind `denoising` (dsa.core.lerobot_types). Each is checked
+    against eager in the same run."""
     yield eager
-    if policy.config.type == "diffusion" and steps in (None, policy.diffusion.num_inference_steps):
+    denoising = LEROBOT_TYPES[policy.config.type].kind == "denoising"
+    if denoising and steps in (None, policy.diffusion.num_inference_steps):
         yield _unrolled_with_constant_table(policy)
 
 
@@ -83,8 +87,9 @@ def _unrolled_with_constant_table(policy):
 
     import torch
 
-    from dsa.frontends.lerobot import diffusion
+    from dsa.frontends.lerobot import POLICY_TYPES
 
+    diffusion = POLICY_TYPES[policy.config.type]  # a denoising type's front end: alphas_cumprod, adapter
     cfg = policy.config
     table = diffusion.alphas_cumprod(cfg.num_train_timesteps, cfg.beta_schedule, cfg.beta_start, cfg.beta_end)
     unrolled = diffusion.adapter(policy, "unrolled").eval()
@@ -240,7 +245,7 @@ def bench_end_to_end(policy: Policy, bundle: Path, *, runs: int, warmup: int, th
         def draw(*_):
             return torch.from_numpy(draws["rng"].standard_normal(noise["shape"], dtype=np.float32))
 
-        if noise is not None and theirs.config.type == "diffusion":
+        if noise is not None and LEROBOT_TYPES[theirs.config.type].noise == "argument":
             original = theirs.predict_action_chunk
             theirs.predict_action_chunk = lambda batch, noise=None: original(batch, noise=draw())
         elif noise is not None:

@@ -11,7 +11,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from dsa.core.errors import DsaError
 from dsa.core.fileio import read_json
-from dsa.core.formats import ExportRecord, PipelineIndex
+from dsa.core.formats import (FILE_FRONT_ENDS, POLICIES_INDEX_FORMAT,  # noqa: F401 (POLICIES_INDEX_FORMAT: API)
+                              ExportRecord, PipelineIndex)
 
 
 NOT_RUN = "not run"
@@ -35,7 +36,6 @@ class ModelSpec:
 # models/BUILD.bazel, never listed by hand). Row order: the policies in BUILD order, then the pipelines; a
 # policy that is a pipeline's stage is part of the pipeline's row.
 POLICIES_INDEX = "models/policies_index.json"
-POLICIES_INDEX_FORMAT = 1
 # The real-size policies (tagged real_size: manual targets), indexed apart by the same dsa_policies call.
 POLICIES_REAL_SIZE_INDEX = "models/policies_real_size_index.json"
 
@@ -173,8 +173,7 @@ def read_unit(bin_dir: Path, name: str) -> Unit:
 FRONT_ENDS = {
     "pytorch": "torch.export",
     "lerobot": "LeRobot → torch.export",
-    "onnx": "ONNX (IREE's importer)",
-    "stablehlo": "StableHLO (jax.export)",
+    **{f.name: f.label for f in FILE_FRONT_ENDS.values()},
 }
 
 
