@@ -57,9 +57,10 @@ class FileFrontEnd:
     """A framework whose model is a file the export imports as it is (the manifest's model.file), not code an
     entry point builds. `importer`: "module:function" in dsa/stages/, called as
     `function(view, model_file, bucket=..., manifest_name=...) -> (mlir, record)` by dsa.stages.export;
-    `input_type`: the `--iree-input-type` its compile view carries (dsa.manifest.contract); `weights`: the reader
-    dsa.stages.params opens the checkpoint with (a key of its WEIGHT_READERS: "safetensors", or "onnx" for an
-    ONNX record's external-data file); `weights_file`: what the manifest's checkpoint is, for messages;
+    `input_type`: the `--iree-input-type` its compile view carries (dsa.manifest.contract); `weights`: how
+    dsa.stages.params reads the checkpoint: "safetensors", or the "module:Class" of a TensorSource in a
+    dsa/stages/<name>_weights.py module (ONNX: the external-data file, onnx_weights.OnnxTensors);
+    `weights_file`: what the manifest's checkpoint is, for messages;
     `suffixes`: the model file's (rules/private/model.bzl's `model_file` allows them; a test checks);
     `label`: how the model reached IREE, as the import matrix writes it."""
 
@@ -75,7 +76,8 @@ class FileFrontEnd:
 # The file front ends, one record each (docs/frontends.md); the manifest schema's `framework` enum lists every
 # one (//tests/manifest checks).
 FILE_FRONT_ENDS: Dict[str, FileFrontEnd] = {f.name: f for f in (
-    FileFrontEnd("onnx", importer="dsa.stages.onnx_import:export_onnx", input_type="onnx", weights="onnx",
+    FileFrontEnd("onnx", importer="dsa.stages.onnx_import:export_onnx", input_type="onnx",
+                 weights="dsa.stages.onnx_weights:OnnxTensors",
                  weights_file="the model's external-data file", suffixes=(".onnx",),
                  label="ONNX (IREE's importer)"),
     FileFrontEnd("stablehlo", importer="dsa.stages.stablehlo_import:export_stablehlo", input_type="stablehlo",

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import math
-import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -29,7 +29,7 @@ from dsa.core.fileio import atomic_output, read_json
 from dsa.stages.irpa import IrpaEntry, IrpaWriter
 from dsa.stages.quant import SCALE_SUFFIX, quantize_weight, scale_name, source_of
 from dsa.stages.tensor_files import (FLOAT_DTYPES, TensorInfo, TensorSource, check_shards, dtype_name, numpy_dtype,
-                                     open_safetensors, read_index, read_range, sha256_streamed, shard_path)
+                                     open_safetensors, read_index, sha256_streamed, shard_path)
 
 # Same metadata form as iree-turbine's ParameterArchiveBuilder, so turbine's ParameterArchive reads it back.
 from dsa.core.formats import PARAMETER_METADATA_PREFIX as _METADATA_PREFIX
@@ -86,109 +86,29 @@ def open_checkpoint(checkpoint: Path, framework: str = "numpy", view: Optional[d
     return open_safetensors(checkpoint, listed, manifest_name)
 
 
-class OnnxTensors(TensorSource):
-    """An ONNX model's weights by parameter name, as an ONNX export record places them (framework onnx):
-    slices of the external-data file at the recorded offsets, or — when `checkpoint` is the .onnx file itself
-    — its inline initializers. A `TensorSource` like the safetensors readers: each slice is checked against
-    the file's size and the recorded shape and dtype by `info`, before anything is written, and read alone by
-    `read`."""
-
-    def __init__(self, checkpoint: Path, record: dict):
-        self.path = Path(checkpoint)
-        self.entries = {p["name"]: p for p in record["parameters"]}
-        self.inline = None
-        self._fd: Optional[int] = None
-        external = [p for p in record["parameters"] if not p["onnx"].get("inline")]
-        if any(p["onnx"].get("inline") for p in record["parameters"]) or self.path.suffix == ".onnx":
-            import onnx
-
-            try:
-                model = onnx.load(str(self.path), load_external_data=False)
-            except Exception as e:
-                raise DsaError(str(self.path), f"not a readable ONNX model: {type(e).__name__}",
-                               "for framework onnx, checkpoint.path is the model's external-data file, or the "
-                               ".onnx file itself when its weights are inline") from None
-            self.inline = {t.name: t for t in model.graph.initializer}
-            if external:
-                raise DsaError(str(self.path), f"{len(external)} weight(s) of the model are in its external-data "
-                               f"file ({record.get('onnx', {}).get('external_data')}), not in this .onnx file",
-                               "point checkpoint.path at the external-data file")
-        self.size = self.path.stat().st_size
-
-    def keys(self):
-        return list(self.entries)
-
-    def where(self, name: str) -> str:
-        return str(self.path)
-
-    def _initializer(self, name: str):
-        source = self.entries[name]["onnx"]
-        if source["initializer"] not in self.inline:
-            raise DsaError(f"{self.path}: tensor '{name}'", f"the model has no initializer '{source['initializer']}'",
-                           "use the .onnx file the model was exported from")
-        return self.inline[source["initializer"]]
-
-    def info(self, name: str) -> TensorInfo:
-        entry = self.entries[name]
-        source = entry["onnx"]
-        if source.get("inline"):
-            from onnx.helper import tensor_dtype_to_np_dtype
-
-            tensor = self._initializer(name)
-            dtype = dtype_name(tensor_dtype_to_np_dtype(tensor.data_type))
-            shape = tuple(int(d) for d in tensor.dims)
-            return TensorInfo(dtype, shape, math.prod(shape) * numpy_dtype(dtype).itemsize)
-        offset, length = source["offset"], source["length"]
-        if length is None or offset < 0 or offset + length > self.size:
-            raise DsaError(f"{self.path}: tensor '{name}'",
-                           f"lies at bytes {offset}..{offset + (length or 0)}, past the file's {self.size} bytes",
-                           "use the external-data file saved with this .onnx graph")
-        itemsize = numpy_dtype(entry["dtype"]).itemsize
-        count = math.prod(entry["shape"])
-        if length != count * itemsize:
-            found = f"{length // itemsize} values" if length % itemsize == 0 else f"{length} bytes"
-            raise DsaError(f"{self.path}: tensor '{name}'",
-                           f"has {found} at its recorded place, the model expects {count}",
-                           "use the external-data file saved with this .onnx graph")
-        return TensorInfo(entry["dtype"], tuple(entry["shape"]), length)
-
-    def read(self, name: str):
-        import numpy as np
-
-        info = self.info(name)
-        source = self.entries[name]["onnx"]
-        if source.get("inline"):
-            from onnx import numpy_helper
-
-            return np.array(numpy_helper.to_array(self._initializer(name)), copy=True, order="C")
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        return read_range(self._fd, source["offset"], info.nbytes, numpy_dtype(info.dtype), info.shape,
-                          str(self.path))
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-# A file front end's `weights` (dsa.core.formats.FILE_FRONT_ENDS) → how its checkpoint is read; every other
-# framework's checkpoint is "safetensors" (a file or a sharded checkpoint).
-WEIGHT_READERS = {
-    "safetensors": lambda checkpoint, record, view, manifest_name: open_checkpoint(
-        checkpoint, view=view, manifest_name=manifest_name),
-    "onnx": lambda checkpoint, record, view, manifest_name: OnnxTensors(checkpoint, record),
-}
+# A file front end's `weights` (dsa.core.formats.FILE_FRONT_ENDS) names how its checkpoint is read: "safetensors"
+# (a file or a sharded checkpoint, as for every other framework), or the "module:Class" of a TensorSource in a
+# dsa/stages/<name>_weights.py module (ONNX's external-data reader: onnx_weights.OnnxTensors), constructed as
+# `Class(checkpoint, record)`.
+SAFETENSORS = "safetensors"
 
 
 def open_tensors(checkpoint: Path, record: dict, view: Optional[dict] = None,
                  manifest_name: str = "manifest") -> TensorSource:
-    """The checkpoint's tensors by parameter name, by the reader of the record's framework (WEIGHT_READERS): a
+    """The checkpoint's tensors by parameter name, by the reader of the record's framework (its `weights`): a
     safetensors file or sharded checkpoint, or for an ONNX export (framework onnx) the model's weights where its
     record places them."""
     file_front_end = FILE_FRONT_ENDS.get(record.get("framework"))
-    weights = file_front_end.weights if file_front_end is not None else "safetensors"
-    return WEIGHT_READERS[weights](checkpoint, record, view, manifest_name)
+    weights = file_front_end.weights if file_front_end is not None else SAFETENSORS
+    if weights == SAFETENSORS:
+        return open_checkpoint(checkpoint, view=view, manifest_name=manifest_name)
+    return weights_reader(weights)(checkpoint, record)
+
+
+def weights_reader(weights: str):
+    """The TensorSource class a file front end's `weights` ("module:Class") names."""
+    module, _, name = weights.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 _CHECKPOINT_FLOATS = ("float32", "bfloat16", "float16")

@@ -80,7 +80,8 @@ def test_every_file_front_end_is_in_the_schemas_framework_enum():
 
 @pytest.mark.parametrize("name", sorted(FILE_FRONT_ENDS))
 def test_every_file_front_end_names_an_importer_a_weights_reader_and_an_input_type(name):
-    from dsa.stages.params import WEIGHT_READERS
+    from dsa.stages.params import SAFETENSORS, weights_reader
+    from dsa.stages.tensor_files import TensorSource
 
     front_end = FILE_FRONT_ENDS[name]
     module, _, function = front_end.importer.partition(":")
@@ -88,7 +89,12 @@ def test_every_file_front_end_names_an_importer_a_weights_reader_and_an_input_ty
     source = PACKAGE / "stages" / f"{module.rsplit('.', 1)[1]}.py"
     assert source.is_file(), f"{name}: no importer module {source}"
     assert f"def {function}(" in source.read_text(), f"{source}: no function {function}"
-    assert front_end.weights in WEIGHT_READERS, f"{name}: dsa.stages.params has no weights reader {front_end.weights!r}"
+    if front_end.weights != SAFETENSORS:
+        reader_module = front_end.weights.partition(":")[0]
+        assert reader_module.startswith("dsa.stages.") and reader_module.endswith("_weights"), (
+            f"{name}: weights {front_end.weights!r} is neither 'safetensors' nor a dsa/stages/<name>_weights.py reader")
+        reader = weights_reader(front_end.weights)
+        assert isinstance(reader, type) and issubclass(reader, TensorSource), f"{name}: {front_end.weights} is no TensorSource"
     assert INPUT_TYPES[name] == front_end.input_type
     assert front_end.suffixes and all(s.startswith(".") for s in front_end.suffixes)
 
