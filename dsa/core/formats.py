@@ -61,7 +61,7 @@ class FileFrontEnd:
     dsa.stages.params reads the checkpoint: "safetensors", or the "module:Class" of a TensorSource in a
     dsa/stages/<name>_weights.py module (ONNX: the external-data file, onnx_weights.OnnxTensors);
     `weights_file`: what the manifest's checkpoint is, for messages;
-    `suffixes`: the model file's (rules/private/model.bzl's `model_file` allows them; a test checks);
+    `suffixes`: the model file's (the export refuses another, naming these);
     `label`: how the model reached IREE, as the import matrix writes it."""
 
     name: str

@@ -651,7 +651,13 @@ def _import_model_file(view: dict, out_mlir: Path, out_record: Path, model_file,
     if not model_file.is_file():
         raise DsaError(f"{manifest_name}: model.file", f"no such file: {model_file}",
                        "build or copy the model file next to the manifest")
-    module, _, function = FILE_FRONT_ENDS[view["framework"]].importer.partition(":")
+    front_end = FILE_FRONT_ENDS[view["framework"]]
+    if model_file.suffix not in front_end.suffixes:
+        raise DsaError(f"{manifest_name}: model.file ({model_file})",
+                       f"framework '{front_end.name}' imports {' or '.join(front_end.suffixes)} files, "
+                       f"not {model_file.suffix or 'a file without a suffix'}",
+                       "pass the model file the framework reads, or correct the manifest's framework")
+    module, _, function = front_end.importer.partition(":")
     importer = getattr(importlib.import_module(module), function)
     mlir, record = importer(view, model_file, bucket=bucket, manifest_name=manifest_name)
     record = dict(format=RECORD_FORMAT, **record)

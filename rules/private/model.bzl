@@ -144,7 +144,7 @@ architecture reruns DsaParams alone.""",
     attrs = dict(TOOL_ATTRS, **dict(ENV_ATTRS, **{
         "manifest": attr.label(mandatory = True, allow_single_file = [".yaml", ".yml"], doc = "Deployment manifest."),
         "checkpoint": attr.label(mandatory = True, allow_files = [".safetensors", ".json", ".onnx", ".data", ".bin"], doc = "Checkpoint: a safetensors file, or a sharded checkpoint (a filegroup of its model.safetensors.index.json and its shards, in one directory); for framework onnx the model's external-data file (or the .onnx file when its weights are inline). Its sha256 (and each shard's) must match the manifest's."),
-        "model_file": attr.label(allow_single_file = [".onnx", ".mlir"], doc = "frameworks onnx, stablehlo: the model file the export imports (its sha256 must match the manifest's model.file)."),
+        "model_file": attr.label(allow_single_file = True, doc = "frameworks onnx, stablehlo: the model file the export imports (its sha256 must match the manifest's model.file; the export refuses a suffix its framework does not read)."),
         "policy_config": attr.label(allow_single_file = [".json"], doc = "framework lerobot: the policy's config.json (its sha256 must match the manifest's model.policy_config)."),
         "deps": attr.label_list(providers = [PyInfo], doc = "py_library targets holding the model code."),
         "_export_tool": attr.label(default = Label("//dsa:export_tool"), executable = True, cfg = "exec"),

@@ -18,7 +18,6 @@ from dsa.core.errors import DsaError
 from dsa.core.formats import FILE_FRAMEWORKS, FILE_FRONT_ENDS, PoliciesIndex
 from dsa.core.lerobot_types import LEROBOT_TYPES, LeRobotType
 from dsa.manifest.contract import INPUT_TYPES, SCHEMA
-from dsa.tools.testing import runfile
 
 PACKAGE = Path(dsa.__file__).parent
 
@@ -99,13 +98,19 @@ def test_every_file_front_end_names_an_importer_a_weights_reader_and_an_input_ty
     assert front_end.suffixes and all(s.startswith(".") for s in front_end.suffixes)
 
 
-def test_dsa_model_allows_every_file_front_ends_suffix():
-    text = runfile("rules/private/model.bzl").read_text()
-    found = re.search(r'"model_file": attr\.label\(allow_single_file = \[([^\]]*)\]', text)
-    assert found, "rules/private/model.bzl: no model_file attribute with allow_single_file"
-    allowed = set(re.findall(r'"([^"]+)"', found.group(1)))
-    missing = sorted({s for f in FILE_FRONT_ENDS.values() for s in f.suffixes} - allowed)
-    assert not missing, f"rules/private/model.bzl: dsa_model's model_file does not allow {missing}: add them"
+@pytest.mark.parametrize("name", sorted(FILE_FRONT_ENDS))
+def test_a_model_file_of_another_suffix_is_refused_naming_the_suffixes_the_framework_reads(name, tmp_path):
+    from dsa.stages.export import export_model
+
+    wrong = tmp_path / "model.txt"
+    wrong.write_text("not a model")
+    with pytest.raises(DsaError) as refused:
+        export_model({"framework": name, "model_id": "m"}, tmp_path / "out.mlir", tmp_path / "out.json",
+                     manifest_name="m.yaml", model_file=wrong)
+    message = str(refused.value)
+    assert "m.yaml: model.file" in message and ".txt" in message
+    assert all(suffix in message for suffix in FILE_FRONT_ENDS[name].suffixes)
+    assert not (tmp_path / "out.mlir").exists() and not (tmp_path / "out.json").exists()
 
 
 def test_the_registry_gives_todays_input_types():
