@@ -32,6 +32,7 @@ load("//rules/private:vmfb.bzl", _dsa_vmfb = "dsa_vmfb")
 load("//rules/private:bundle.bzl", _dsa_bundle = "dsa_bundle", _dsa_release = "dsa_release")
 load("//rules/private:link.bzl", _dsa_pipeline = "dsa_pipeline")
 load("//rules/private:policy.bzl", _dsa_policies = "dsa_policies", _dsa_policy = "dsa_policy")
+load("//toolchains/python:toolchain.bzl", _DsaPythonInfo = "DsaPythonInfo", _dsa_python_toolchain = "dsa_python_toolchain")
 
 # One call per model: `dsa_policy(name, manifest, target, deps | lerobot_config, bucket, tuning, parity_test)`
 # makes the weights (seeded, or a LeRobot policy directory), the dsa_model, the dsa_bucket and the dsa_vmfb
@@ -58,6 +59,12 @@ DsaModuleInfo = _DsaModuleInfo
 DsaPipelineInfo = _DsaPipelineInfo
 DsaPteInfo = _DsaPteInfo
 DsaTargetInfo = _DsaTargetInfo
+
+# The Python environment as a toolchain (toolchains/python/toolchain.bzl, docs/python-environments.md): an
+# environment made some other way than dsa_python_env is a `dsa_python_toolchain` in a `toolchain()` of type
+# @rules_dsa//toolchains/python:toolchain_type.
+dsa_python_toolchain = _dsa_python_toolchain
+DsaPythonInfo = _DsaPythonInfo
 
 def dsa_runner(name, module, args = [], **kwargs):
     """`bazel run :name [-- dsa run flags]`: runs the compiled policy `module` (a dsa_vmfb) on a sample.
