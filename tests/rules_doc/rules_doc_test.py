@@ -11,9 +11,9 @@ from dsa.tools import rules_doc
 from dsa.tools.rules_doc import RulesDocError, cell, render
 from dsa.tools.testing import runfile
 
-RULES = ("dsa_model", "dsa_bucket", "dsa_vmfb", "dsa_target", "dsa_pte", "dsa_pipeline", "dsa_bundle")
+RULES = ("dsa_model", "dsa_bucket", "dsa_vmfb", "dsa_target", "dsa_pte", "dsa_pipeline", "dsa_python_toolchain", "dsa_bundle")
 MACROS = ("dsa_policy", "dsa_policies", "dsa_runner", "dsa_release")
-PROVIDERS = ("DsaModelInfo", "DsaBucketInfo", "DsaModuleInfo", "DsaPipelineInfo", "DsaPteInfo", "DsaTargetInfo")
+PROVIDERS = ("DsaModelInfo", "DsaBucketInfo", "DsaModuleInfo", "DsaPipelineInfo", "DsaPteInfo", "DsaTargetInfo", "DsaPythonInfo")
 # rules/testing.bzl: the stand-in generators (not exported by defs.bzl) and the test macro.
 TESTING = ("dsa_checkpoint", "dsa_lerobot_policy", "dsa_lerobot_processors", "dsa_lerobot_tokenizer", "dsa_py_test")
 
