@@ -197,3 +197,12 @@ def read_safetensors(path) -> Dict[str, np.ndarray]:
             raise DsaError(f"{path}: tensor {n1!r}", f"data [{b1}, {e1}] overlaps tensor {n0!r} [{b0}, {e0}]",
                            "the file is corrupt")
     return out
+
+
+def nest_stats(flat: Dict[str, np.ndarray]) -> Dict[str, Dict[str, np.ndarray]]:
+    """"observation.state.mean" -> {"observation.state": {"mean": ...}}, as float32 (LeRobot loads them so)."""
+    stats: Dict[str, Dict[str, np.ndarray]] = {}
+    for flat_key, array in flat.items():
+        key, stat = flat_key.rsplit(".", 1) if "." in flat_key else (flat_key, "")
+        stats.setdefault(key, {})[stat] = np.asarray(array, dtype=np.float32)
+    return stats

@@ -41,8 +41,8 @@ from dsa.core.errors import DsaError
 # The bounded file readers (processor_files.py) stay importable from here.
 from dsa.runtime.processor_files import (  # noqa: F401
     MAX_PIPELINE_JSON_BYTES, MAX_PIPELINE_STEPS, MAX_RENAMES, MAX_STATE_FILE_BYTES, MAX_STAT_MAGNITUDE,
-    MAX_TASK_CHARS, MAX_TOKENIZER_BYTES, MAX_TOKENIZER_LENGTH, check_statistics, pipeline_member, read_bounded_json,
-    read_safetensors)
+    MAX_TASK_CHARS, MAX_TOKENIZER_BYTES, MAX_TOKENIZER_LENGTH, check_statistics, nest_stats, pipeline_member,
+    read_bounded_json, read_safetensors)
 
 
 OBS_PREFIX = "observation."
@@ -519,15 +519,6 @@ _STEPS: Dict[str, Callable[..., _Step]] = {
 SUPPORTED_STEPS = tuple(_STEPS)
 
 
-def _nest_stats(flat: Dict[str, np.ndarray]) -> Dict[str, Dict[str, np.ndarray]]:
-    """"observation.state.mean" -> {"observation.state": {"mean": ...}}, as float32 (LeRobot loads them so)."""
-    stats: Dict[str, Dict[str, np.ndarray]] = {}
-    for flat_key, array in flat.items():
-        key, stat = flat_key.rsplit(".", 1) if "." in flat_key else (flat_key, "")
-        stats.setdefault(key, {})[stat] = np.asarray(array, dtype=np.float32)
-    return stats
-
-
 class ProcessorPipeline:
     """One LeRobot processor pipeline (policy_preprocessor.json or policy_postprocessor.json) in numpy."""
 
@@ -573,7 +564,7 @@ class ProcessorPipeline:
                 state_path = pipeline_member(json_path.parent, state_file, where, "state file",
                                              MAX_STATE_FILE_BYTES)
                 files.append(state_path)
-                stats = _nest_stats(read_safetensors(state_path))
+                stats = nest_stats(read_safetensors(state_path))
                 features = step_config.get("features")
                 shapes = {k: v["shape"] for k, v in (features if isinstance(features, dict) else {}).items()
                           if isinstance(v, dict) and isinstance(v.get("shape"), list)

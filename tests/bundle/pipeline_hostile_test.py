@@ -538,7 +538,7 @@ _arrays = st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min
                              _arrays, max_size=6))
 def test_fuzzed_statistics_are_accepted_only_when_finite_bounded_and_ordered(act_files, tmp_path, stats):
     arrays = {k: np.asarray(v, dtype=np.float32) for k, v in stats.items()}
-    nested = P._nest_stats(arrays)
+    nested = P.nest_stats(arrays)
     try:
         P.check_statistics(nested, "stats.safetensors")
     except DsaError as e:
