@@ -63,12 +63,12 @@ def check_real_size_matches_eager(builds, policy_dir, steps=(1, 10), prompt=20, 
     import gc
 
     from dsa.frontends.lerobot import load_pretrained_mapped
-    from dsa.runtime.policy import CompiledPolicy
+    from dsa.runtime.policy import CompiledPolicy, ModuleIndex
 
     got = {}
     inputs = None
     for build in builds:
-        policy = CompiledPolicy(build)
+        policy = CompiledPolicy(build, target=ModuleIndex.read(build).target)  # this build, not its levels
         record = policy.modules[0].record
         if inputs is None:
             base = observation(record, 1, seed=seed, prompt=prompt)

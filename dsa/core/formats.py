@@ -103,6 +103,11 @@ class ModuleIndex:
     # IREE runtime flags the modules need set before the process's first device (their compile reports'
     # `runtime_flags`, merged); absent from the JSON when there are none.
     runtime_flags: Tuple[str, ...] = ()
+    # The same modules compiled for further targets of the same machines (an x86-64-v4 build beside an
+    # x86-64-v3 one): (target, the file name of its module index, in this index's directory). A runner without
+    # an explicit target takes the most capable of this index and its levels that the machine executes
+    # (dsa.runtime.policy.choose_level). Absent from the JSON when there are none.
+    levels: Tuple[Tuple[str, str], ...] = ()
 
     _FIELDS = ("target", "target_spec", "parameter_archive", "parameter_scope", "runtime_view")
 
@@ -114,6 +119,8 @@ class ModuleIndex:
         }
         if self.runtime_flags:
             data["runtime_flags"] = list(self.runtime_flags)
+        if self.levels:
+            data["levels"] = [{"target": target, "index": index} for target, index in self.levels]
         return data
 
     def text(self) -> str:
@@ -140,11 +147,40 @@ class ModuleIndex:
         if not isinstance(runtime_flags, list) or not all(isinstance(f, str) for f in runtime_flags):
             raise DsaError(where, "runtime_flags: must be a list of '--flag=value' strings", "rebuild it")
         return cls(**{name: data[name] for name in cls._FIELDS}, modules=modules,
-                   runtime_flags=tuple(runtime_flags))
+                   runtime_flags=tuple(runtime_flags), levels=_levels(data.get("levels", []), data["target"], where))
 
     @classmethod
     def read(cls, path: Path) -> "ModuleIndex":
         return cls.from_json(_read_json_artifact(path, "module index"), str(path))
+
+
+def level_index_name(name: str) -> bool:
+    """Whether `name` may name a level's module index: a file name in the index's own directory (no path: a
+    level is built beside the index it belongs to), NAME.modules.json."""
+    return (isinstance(name, str) and name.endswith(".modules.json") and len(name) > len(".modules.json")
+            and "/" not in name and "\\" not in name and not name.startswith("."))
+
+
+def _levels(levels, own_target: str, where: str) -> Tuple[Tuple[str, str], ...]:
+    """A module index's `levels`, checked: distinct targets other than the index's own, each index a file name
+    beside it."""
+    if not isinstance(levels, list):
+        raise DsaError(where, "levels: must be a list of {target, index}", "rebuild it")
+    out, seen = [], {own_target}
+    for i, level in enumerate(levels):
+        if not isinstance(level, dict) or sorted(level) != ["index", "target"]:
+            raise DsaError(f"{where}: levels[{i}]", "must be {\"target\": NAME, \"index\": NAME.modules.json}",
+                           "rebuild it")
+        target, index = level["target"], level["index"]
+        if not isinstance(target, str) or target in seen:
+            raise DsaError(f"{where}: levels[{i}].target", f"{target!r} is not a further target of this index "
+                           f"(targets so far: {', '.join(sorted(seen))})", "rebuild it")
+        if not level_index_name(index):
+            raise DsaError(f"{where}: levels[{i}].index", f"{index!r} is not a module index file name beside this "
+                           "index (NAME.modules.json, no directory)", "rebuild it")
+        seen.add(target)
+        out.append((target, index))
+    return tuple(out)
 
 
 def _read_json_artifact(path, kind: str):
@@ -244,6 +280,8 @@ class PoliciesIndex(JsonArtifact):
                   "checkpoint": "path", "policy_config": "path or null", "model_file": "path or null",
                   "python": "path or null"}
     PIPELINE_ROW = {"name": "path", "label": "path", "test": "text", "index": "path"}
+    # Optional in a policy row: `level_of`, the policy whose default build this one is a level of (its index
+    # lists it; the tools measure the policy, not each level apart).
 
     @classmethod
     def check(cls, data, where: str) -> dict:
@@ -268,6 +306,10 @@ class PoliciesIndex(JsonArtifact):
                     if not ok:
                         raise DsaError(f"{where}: {section}[{i}].{field}", f"is {str(value)[:60]!r}, not {wanted}",
                                        hint)
+                level_of = row.get("level_of")
+                if section == "policies" and level_of is not None and not (isinstance(level_of, str) and level_of):
+                    raise DsaError(f"{where}: policies[{i}].level_of", f"is {str(level_of)[:60]!r}, not the name "
+                                   "of the policy this build is a level of", hint)
                 if section == "pipelines":
                     stages = row.get("stages")
                     if not (isinstance(stages, list) and stages and all(isinstance(s, str) and s for s in stages)):

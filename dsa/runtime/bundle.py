@@ -193,6 +193,11 @@ class OpenedBundle:
         prefix = target + "."
         files = {name[len(prefix):]: entry for name, entry in self.meta["files"].items() if name.startswith(prefix)}
         files.update({name: self.meta["files"][name] for name in SHARED_MEMBERS})
+        # What every target shares beyond those: a policy pipeline's spec, processor files and config.
+        others = tuple(t + "." for t in self.targets)
+        files.update({name: entry for name, entry in self.meta["files"].items()
+                      if not name.startswith(others) and name not in (BUNDLE_JSON, BUILD_REPORT_JSON)
+                      and name != self.meta["provenance"]})
         # The index as a single-target bundle holds it (its paths without the prefix), so that comparing it
         # with a single-target bundle's compares content, not the layout.
         index = dict(table["index"], target_spec=TARGET_SPEC_JSON,
@@ -200,6 +205,8 @@ class OpenedBundle:
         text = ModuleIndex.from_json(index, table["index_file"]).text().encode("utf-8")
         files[INDEX_JSON] = {"sha256": hashlib.sha256(text).hexdigest(), "size": len(text)}
         report = next(r for r in self.build_report["targets"] if r["target"] == target)
+        if "policy_pipeline" in self.build_report:
+            report = dict(report, policy_pipeline=self.build_report["policy_pipeline"])
         view = tempfile.mkdtemp(prefix="target-", dir=self.root)
         (Path(view) / BUILD_REPORT_JSON).write_text(canonical_json(report), encoding="utf-8")
         meta = {"format": BUNDLE_FORMAT, "model_id": self.meta["model_id"], "target": target,
@@ -207,6 +214,8 @@ class OpenedBundle:
                 "lock": stage.lock_path.name, "index_file": table["index_file"], "index": index,
                 "build_report": str(Path(view).name) + "/" + BUILD_REPORT_JSON,
                 "provenance": self.meta["provenance"], "files": files}
+        if "policy_pipeline" in self.meta:
+            meta["policy_pipeline"] = self.meta["policy_pipeline"]
         return dataclasses.replace(self, meta=meta, selected=None)
 
     @property
@@ -459,7 +468,8 @@ def extract_bundle(archive: Path, dest: Path) -> OpenedBundle:
         checks = [(meta, ("build_report", "provenance", "link", "pipeline_file"))]
         indexes = [(meta, "pipeline_file", "pipeline")]
     elif _is_multi_target(meta):
-        checks = [(meta, ("build_report", "provenance", "manifest", "parameter_archive", "runtime_view"))]
+        checks = [(meta, ("build_report", "provenance", "manifest", "parameter_archive", "runtime_view") +
+                   (("policy_pipeline",) if "policy_pipeline" in meta else ()))]
         checks += [(table, ("target_spec",)) for table in _stage_tables(meta)]
         indexes = []
     else:

@@ -48,7 +48,7 @@ class DeployedPolicy:
             stage = opened.select_target(target)  # a pipeline bundle is refused here, saying how to run it
             self.bundle = opened
             self.target = opened.selected or opened.targets[0]
-            self.compiled = CompiledPolicy(stage.index_path, allow_nonfinite=allow_nonfinite)
+            self.compiled = CompiledPolicy(stage.index_path, allow_nonfinite=allow_nonfinite, target=self.target)
             view = self.compiled.runtime_view
             self.model_id = self.compiled.model_id
             self.n_action_steps = int(view["n_action_steps"])

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from dsa.core.errors import DsaError
-from dsa.core.formats import PipelineIndex
+from dsa.core.formats import ModuleIndex, PipelineIndex
 from dsa.runtime.link_check import Stage, edges_of, link, read_link
 
 
@@ -43,7 +43,11 @@ class CompiledPipeline:
                                "its export records are not the ones the link was checked against",
                                "rebuild the pipeline so the link describes these modules")
             loaded.append(stage)
-            self.stages.append((entry["name"], CompiledPolicy(base / entry["index"], driver=driver)))
+            # Each stage's own build: a pipeline is linked per target (a dsa_pipeline of the levels' stages
+            # is another pipeline), so a stage index's levels are not chosen from here.
+            stage_index = base / entry["index"]
+            self.stages.append((entry["name"], CompiledPolicy(stage_index, driver=driver,
+                                                              target=ModuleIndex.read(stage_index).target)))
         # The edges, checked again on what was loaded.
         again = link(loaded, edges_of(self.link))
         if again["edges"] != self.link["edges"]:

@@ -6,6 +6,12 @@ A model's compiled form is described by a module index (JSON, written by `dsa_vm
      "parameter_archive": "pi0_model/params.irpa", "parameter_scope": "model", "runtime_view": ...,
      "modules": [{"vmfb": ..., "record": ...}, ...]}       # paths relative to the index
 
+An index may name `levels`: the same export compiled for further targets of the same machines (x86-64-v4
+beside x86-64-v3), their indices beside it. `CompiledPolicy(index)` then runs the most capable of them this
+machine executes (`choose_level`: the target needing the most CPU features, among those whose CPU features and
+runtime driver the machine has) and says which in `choice`; `target=` runs a given one. Nothing of the build
+depends on the machine that runs it: the choice is made here, at load time.
+
 With shape buckets there is one module per bucket; `run` picks the smallest bucket that holds the input,
 pads the bucketed axes with each input's recorded pad value, and refuses an input longer than the largest
 bucket. Before loading, every archive entry is checked against the export record (name, shape, dtype): the
@@ -14,17 +20,18 @@ IREE runtime would accept a tensor of the wrong shape silently.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from dsa.core.errors import DsaError
 from dsa.core.fileio import read_json, sha256_bytes
 from dsa.runtime import iree_flags
-from dsa.runtime.host import check_host
+from dsa.runtime.host import check_host, host_arch, host_cpu_features, missing_driver, missing_for
 
 from dsa.core.formats import INDEX_FORMAT, PARAMETER_METADATA_PREFIX, ExportRecord, ModuleIndex  # noqa: F401 (re-exported)
 
@@ -64,14 +71,79 @@ def read_module_index(path: Path) -> dict:
     return ModuleIndex.read(Path(path)).to_json()
 
 
+@dataclasses.dataclass(frozen=True)
+class LevelChoice:
+    """Which of a module index's builds runs: the index file, its target, and why (None: the index has no
+    levels, or the caller named the target)."""
+
+    index: Path
+    target: str
+    why: Optional[str] = None
+
+
+def builds_of(index_path: Path) -> Dict[str, Path]:
+    """target → module index of every build a module index stands for: its own target's, then its levels'."""
+    index_path = Path(index_path)
+    index = ModuleIndex.read(index_path)
+    return {index.target: index_path, **{t: index_path.parent / name for t, name in index.levels}}
+
+
+def choose_level(index_path: Path, target: Optional[str] = None, *, arch: Optional[str] = None,
+                 features: Optional[Sequence[str]] = None) -> LevelChoice:
+    """The build of `index_path` to run: `target`'s when given (the index's own or one of its levels; refused
+    naming the ones it has otherwise); else, for an index with levels, the most capable one a CPU of `arch`
+    with `features` (default: this machine's) executes — the target needing the most CPU features among those
+    it runs, with its runtime driver present. A level whose index is missing or is not the same export (another
+    parameter archive) is refused, naming the file: running the base instead would hide a broken build."""
+    index_path = Path(index_path)
+    index = ModuleIndex.read(index_path)
+    builds = builds_of(index_path)
+    if target is not None:
+        if target not in builds:
+            raise DsaError(str(index_path), f"has no build for target '{target}' (it has {', '.join(builds)})",
+                           "pass one of its targets, or build the policy for that target")
+        return LevelChoice(builds[target], target)
+    if not index.levels:
+        return LevelChoice(index_path, index.target)
+    arch = arch or host_arch()
+    if features is None:
+        features = host_cpu_features()
+    runnable, why_not = [], {}
+    for name, path in builds.items():
+        if not path.is_file():
+            raise DsaError(str(path), f"is the {name} build that {index_path.name} lists under `levels`, and it is "
+                           "missing", "rebuild the policy (its default build holds every level), or pass "
+                           f"target='{index.target}' (dsa run --target) to run this index's own modules")
+        level = ModuleIndex.read(path) if path != index_path else index
+        if level.target != name or level.parameter_archive != index.parameter_archive:
+            raise DsaError(str(path), f"is not a {name} build of {index_path.name}'s export (target "
+                           f"{level.target}, parameters {level.parameter_archive})", "rebuild the policy")
+        spec = read_json(path.parent / level.target_spec)
+        reason = missing_for(spec, arch, features) or missing_driver(spec)
+        if reason:
+            why_not[name] = reason
+        else:
+            runnable.append((len(spec.get("host", {}).get("cpu_features", [])), name, path))
+    if not runnable:
+        raise DsaError(str(index_path), "has no build this machine can run: " +
+                       "; ".join(f"{t}: {why}" for t, why in why_not.items()),
+                       "run it on a machine one of its targets names, or build it for this machine's target")
+    _, name, path = max(runnable)
+    skipped = "".join(f"; {t}: {why}" for t, why in why_not.items())
+    return LevelChoice(path, name, f"the most capable of its builds ({', '.join(builds)}) this machine runs{skipped}")
+
+
 class CompiledPolicy:
     """A model's compiled modules and parameters, run from host arrays. Every input is checked against the
     export record before the module is called (`check_input`): the compiled code trusts its arguments, so a
     token id past the embedding table reads out of bounds or crashes the process. NaN and ±Inf in a float
     input are refused unless `allow_nonfinite`."""
 
-    def __init__(self, index_path: Path, driver: Optional[str] = None, *, allow_nonfinite: bool = False):
-        index_path = Path(index_path)
+    def __init__(self, index_path: Path, driver: Optional[str] = None, *, allow_nonfinite: bool = False,
+                 target: Optional[str] = None):
+        # An index with levels: the build this machine runs best, or `target`'s (choose_level).
+        self.choice = choose_level(Path(index_path), target)
+        index_path = self.choice.index
         self.allow_nonfinite = allow_nonfinite
         index = read_module_index(index_path)
         base = index_path.parent

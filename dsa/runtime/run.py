@@ -159,8 +159,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     from dsa.runtime.signing import add_expectations
 
     add_expectations(parser)
-    parser.add_argument("--target", help="with --bundle: run this target's modules (default: the first of the "
-                        "bundle's targets this machine can execute)")
+    parser.add_argument("--target", help="run this target's modules (default: with --index, the most capable of the "
+                        "index's builds — it and its `levels` — this machine executes; with --bundle, the first of "
+                        "the bundle's targets this machine can execute)")
     parser.add_argument("--allow-nonfinite", action="store_true",
                         help="pass NaN/Inf in float inputs to the module (refused by default)")
     pipeline = parser.add_argument_group("bundles with the policy's pipeline (raw observations)")
@@ -182,10 +183,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if a.require_signature:
             raise DsaError("--require-signature", "applies to --bundle only: a build tree is not signed",
                            "run the signed release bundle")
-        if a.target:
-            raise DsaError("--target", "applies to --bundle only: a module index is for one target",
-                           "pass the index of that target's dsa_vmfb")
-        _run(a, Path(a.index))
+        _run(a, Path(a.index), target=a.target)
         return
     from dsa.runtime.bundle import open_bundle, user_path  # only --bundle needs it
 
@@ -220,7 +218,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f"target {bundle.selected}" + (" (chosen with --target)" if a.target else
                   " (the first of the bundle's targets this machine runs" +
                   "".join(f"; {t}: {why[t]}" for t in skipped) + ")"))
-        _run(a, stage.index_path)
+        _run(a, stage.index_path, target=bundle.selected or bundle.targets[0])
 
 
 # An episode `dsa run` replays: at most this many control steps (16 minutes at 10 Hz).
@@ -302,6 +300,9 @@ def _run_policy_pipeline(a: argparse.Namespace, archive: Path) -> None:
                        "and the manifest's flow_steps is its step count", "leave them out")
     with load(archive, a.target, allow_nonfinite=a.allow_nonfinite, seed=a.seed,
               temporal_ensemble_coeff=a.temporal_ensemble_coeff) as policy:
+        if policy.bundle.is_multi_target:
+            print(f"target {policy.target}" + (" (chosen with --target)" if a.target else
+                                               " (the first of the bundle's targets this machine runs)"))
         pipe = policy.pipeline
         spec = pipe.spec
         keys = {k: v for k, v in spec["observation"].items() if k != "task"}
@@ -350,8 +351,10 @@ def _run_policy_pipeline(a: argparse.Namespace, archive: Path) -> None:
             print(f"wrote {out}")
 
 
-def _run(a: argparse.Namespace, index: Path) -> None:
-    policy = CompiledPolicy(index, allow_nonfinite=a.allow_nonfinite)
+def _run(a: argparse.Namespace, index: Path, target: Optional[str] = None) -> None:
+    policy = CompiledPolicy(index, allow_nonfinite=a.allow_nonfinite, target=target)
+    if policy.choice.why:
+        print(f"target {policy.choice.target} ({policy.choice.why})")
     runtime_view = policy.runtime_view
     record = policy.modules[0].record
     if a.observation:

@@ -236,8 +236,10 @@ def write_bundle(out: Path, stages: Sequence[StageInput], *, link: Optional[Path
         })
     else:
         if processors is not None:
-            reports[0]["policy_pipeline"] = _add_policy_pipeline(collected[0], processors, policy_config,
-                                                                 payload, generated)
+            stage, c, _ = collected[0]
+            reports[0]["policy_pipeline"] = _add_policy_pipeline(
+                stage, c.records, {name: c.digests[f"{name}.vmfb"] for name in c.records}, processors,
+                policy_config, payload, generated)
         generated[BUILD_REPORT_JSON] = BuildReport.dumps(reports[0])
 
     digests, sizes = member_digests(payload, generated)
@@ -268,13 +270,14 @@ def write_bundle(out: Path, stages: Sequence[StageInput], *, link: Optional[Path
     return write_archive(out, payload, generated, sizes, digest_out)
 
 
-def _add_policy_pipeline(collected, processors: Sequence[Path], policy_config: Optional[Path],
+def _add_policy_pipeline(stage: StageInput, records: Dict[str, dict], module_digests: Dict[str, str],
+                         processors: Sequence[Path], policy_config: Optional[Path],
                          payload: Dict[str, Path], generated: Dict[str, bytes]) -> List[dict]:
-    """Adds the policy's processor files, config.json and policy_pipeline.json to a single-model bundle; returns
-    the pipeline's nodes for the build report (name, implementation, the digests of what each reads)."""
+    """Adds the policy's processor files, config.json and policy_pipeline.json to a single-model bundle (or a
+    multi-target one: `records` and `module_digests` then name every target's modules, `<target>.<module>`);
+    returns the pipeline's nodes for the build report (name, implementation, the digests of what each reads)."""
     from dsa.runtime.policy_pipeline import describe, pinned_files
 
-    stage, c, _ = collected
     if policy_config is None:
         raise DsaError("dsa-bundle create", "--processor needs --policy-config (the policy's config.json)")
     # The runtime view carries the processors' pins (checked against the lock in _collect); the manifest is
@@ -286,8 +289,7 @@ def _add_policy_pipeline(collected, processors: Sequence[Path], policy_config: O
             raise DsaError("dsa-bundle create", f"processor file '{name}' has the name of a bundle member",
                            "rename the module or the file")
         payload[name] = path
-    spec = describe(manifest, stage.source or str(stage.manifest), members, c.records,
-                    {name: c.digests[f"{name}.vmfb"] for name in c.records})
+    spec = describe(manifest, stage.source or str(stage.manifest), members, records, module_digests)
     generated[POLICY_PIPELINE_JSON] = _json_bytes(spec)
     report = []
     for node in spec["nodes"]:
@@ -305,11 +307,16 @@ def _add_policy_pipeline(collected, processors: Sequence[Path], policy_config: O
 
 
 def write_multi_target_bundle(out: Path, targets: Sequence[StageInput], *,
-                              digest_out: Optional[Path] = None) -> str:
+                              digest_out: Optional[Path] = None, most_capable_first: bool = False,
+                              processors: Optional[Sequence[Path]] = None,
+                              policy_config: Optional[Path] = None) -> str:
     """One model's modules for several targets in one archive (format 2, docs/bundle-format.md "Multi-target
     bundles"): one parameter archive, manifest and runtime view at the root, each target's lock, target spec,
     module index and modules under `<target>.` names. `targets` are in preference order: `dsa run` runs the
-    first one this machine can execute. Refused unless every target's files come from one build of one model
+    first one this machine can execute. `most_capable_first` orders them by the CPU features their specs
+    need, most first (a policy's levels: the runner then takes the most capable one the machine executes),
+    keeping the given order among equals. With `processors` (and `policy_config`) the bundle ships the policy's
+    whole pipeline, as a single-model bundle does: its network node names every target's modules. Refused unless every target's files come from one build of one model
     (same manifest, checkpoint, parameters and runtime view) and no target appears twice."""
     out = Path(out)
     bundle_name = out.name[:-len(".tar")] if out.name.endswith(".tar") else out.name
@@ -321,6 +328,9 @@ def write_multi_target_bundle(out: Path, targets: Sequence[StageInput], *,
         c = _collect(lock=t.lock, manifest=t.manifest, runtime_view=t.runtime_view, target_spec=t.target_spec,
                      params=t.params, modules=t.modules)
         collected.append((t, c))
+    if most_capable_first:
+        collected.sort(key=lambda tc: -len(read_json(tc[1].payload[TARGET_SPEC_JSON]).get("host", {})
+                                            .get("cpu_features", [])))
     names = [c.lock["target"] for _, c in collected]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -359,10 +369,14 @@ def write_multi_target_bundle(out: Path, targets: Sequence[StageInput], *,
                        "lock": prefix + LOCK_JSON, "target_spec": prefix + TARGET_SPEC_JSON,
                        "index_file": prefix + INDEX_JSON, "index": index})
     reports = [build_report(c.lock, c.records, c.reports, c.sizes, c.digests) for _, c in collected]
-    generated[BUILD_REPORT_JSON] = BuildReport.dumps({
-        "format": BUILD_REPORT_FORMAT, "model_id": first.lock["model_id"], "targets": reports,
-        "parameters": reports[0]["parameters"],
-    })
+    report = {"format": BUILD_REPORT_FORMAT, "model_id": first.lock["model_id"], "targets": reports,
+              "parameters": reports[0]["parameters"]}
+    if processors is not None:
+        prefixed = [(c.lock["target"] + "." + name, c, name) for _, c in collected for name in c.records]
+        report["policy_pipeline"] = _add_policy_pipeline(
+            first_t, {p: c.records[name] for p, c, name in prefixed},
+            {p: c.digests[f"{name}.vmfb"] for p, c, name in prefixed}, processors, policy_config, payload, generated)
+    generated[BUILD_REPORT_JSON] = BuildReport.dumps(report)
 
     digests, sizes = member_digests(payload, generated)
 
@@ -375,6 +389,8 @@ def write_multi_target_bundle(out: Path, targets: Sequence[StageInput], *,
             "manifest": MANIFEST_YAML, "manifest_source": first_t.source, "parameter_archive": PARAMS_IRPA,
             "runtime_view": RUNTIME_VIEW_JSON, "build_report": BUILD_REPORT_JSON, "provenance": PROVENANCE_JSON,
             "targets": tables}
+    if processors is not None:
+        meta["policy_pipeline"] = POLICY_PIPELINE_JSON
     meta["files"] = {name: {"sha256": digests[name], "size": sizes[name]} for name in sorted(digests)}
     generated[BUNDLE_JSON] = MultiTargetBundleMeta.dumps(meta)
     return write_archive(out, payload, generated, sizes, digest_out)
@@ -489,6 +505,9 @@ def add_create_arguments(c: argparse.ArgumentParser) -> None:
                    help="take the files from this module index (dsa compile's TARGET.modules.json, dsa_vmfb's "
                    "NAME.modules.json); the flags below override. Repeat it, once per target in preference "
                    "order, for a multi-target bundle of one model (its lock beside each index)")
+    c.add_argument("--most-capable-first", action="store_true",
+                   help="with several --index: order the targets by the CPU features they need, most first (a "
+                   "policy's levels), instead of as given")
     c.add_argument("--lock", help="the recipe lock (NAME.lock.json) from dsa_vmfb or dsa compile")
     c.add_argument("--manifest", help="the manifest (required unless --pipeline)")
     c.add_argument("--manifest-source", help="the manifest's repository-relative name, for the provenance "
@@ -554,10 +573,16 @@ def create(a: argparse.Namespace) -> None:
                 raise DsaError(index, "no such module index", "build the dsa_vmfb (or run dsa compile) first")
         stages = [StageInput(name="", manifest=Path(a.manifest), manifest_source=source,
                              **inputs_from_index(Path(index))) for index in a.index]
-        sha = write_multi_target_bundle(Path(a.out), stages, digest_out=Path(a.digest) if a.digest else None)
+        sha = write_multi_target_bundle(Path(a.out), stages, digest_out=Path(a.digest) if a.digest else None,
+                                        most_capable_first=a.most_capable_first,
+                                        processors=[Path(p) for p in a.processor] if a.processor else None,
+                                        policy_config=Path(a.policy_config) if a.policy_config else None)
         if not a.digest:  # by hand, not in a build action: say what was written
             print(f"dsa-bundle: wrote {a.out} (sha256 {sha}) and {sidecar_path(Path(a.out))}")
         return
+    if a.most_capable_first:
+        raise DsaError("--most-capable-first", "orders the targets of a multi-target bundle",
+                       "pass an --index per target")
     if not a.manifest:
         raise DsaError("dsa-bundle create", "--manifest is required without --pipeline")
     a.index = a.index[0] if a.index else None

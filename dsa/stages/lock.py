@@ -14,12 +14,12 @@ import argparse
 import os
 import dataclasses
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, sha256_file
 
-from dsa.core.formats import LOCK_FORMAT, Lock, ModuleIndex  # noqa: E402 (LOCK_FORMAT re-exported)
+from dsa.core.formats import LOCK_FORMAT, Lock, ModuleIndex, level_index_name  # noqa: E402 (LOCK_FORMAT re-exported)
 from dsa.core.runtime_flags import index_runtime_flags
 
 
@@ -161,6 +161,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--index-target", help="the target's name, for the index")
     parser.add_argument("--index-target-spec", help="the target spec beside the modules, for the index")
     parser.add_argument("--index-runtime-view", help="the runtime view, for the index")
+    parser.add_argument("--index-level", action="append", default=[], metavar="TARGET=NAME.modules.json",
+                        help="a level of these modules: the same export compiled for TARGET, its index beside this "
+                             "one (repeatable; the runner takes the most capable one the machine executes)")
     a = parser.parse_args(argv)
     modules = []
     for name, paths in _pairs(a.module, "--module").items():
@@ -203,7 +206,16 @@ def _write_index(a: argparse.Namespace, modules: List[ModuleFiles]) -> None:
         runtime_view=os.path.relpath(a.index_runtime_view, base),
         modules=tuple((os.path.relpath(m.vmfb, base), os.path.relpath(m.export_record, base)) for m in modules),
         runtime_flags=index_runtime_flags(read_json(m.compile_report) for m in modules),
+        levels=tuple(_level(v) for v in a.index_level),
     ).write(Path(a.index_out))
+
+
+def _level(value: str) -> Tuple[str, str]:
+    target, sep, index = value.partition("=")
+    if not sep or not target or not level_index_name(index):
+        raise DsaError("--index-level", f"{value!r} is not TARGET=NAME.modules.json (an index beside this one)",
+                       "build the levels in the package of the policy")
+    return target, index
 
 
 if __name__ == "__main__":

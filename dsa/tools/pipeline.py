@@ -4,6 +4,9 @@
 
 Runs the same stage functions the Bazel rules run, in the same order: manifest views → export → parameter
 archive → one export per shape bucket → compile for every target the manifest lists → module index.
+Without `--target` every target is compiled; the index of a portable target (x86_64-v3) lists the builds for
+the same machines' richer CPUs (x86_64-v4) as its `levels`, and `dsa run --index` on it runs the most capable
+one this machine executes (as Bazel's `bazel build //models:<policy>` and its module index do).
 
 What a stage finished is kept in a cache (dsa.tools.compile_cache: ~/.cache/rules_dsa/compile-cache, or
 $DSA_COMPILE_CACHE; `DSA_COMPILE_CACHE=off` or `--no-cache` turns it off), keyed by exactly the inputs the
@@ -28,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from dsa.core.formats import ExportRecord
 from dsa.stages.checkpoint import make_checkpoint
@@ -313,9 +316,38 @@ def build_into(
             params_hit = None
         Lock.write(out / f"{target_name}.lock.json", lock_data)
         indexes.append(index)
+    add_levels(indexes)
     stage.report(cache)
     write_timings(out / "timings.json", stage.timings, time.monotonic() - started)
     return indexes
+
+
+def _machine(spec: dict) -> tuple:
+    """What a target's modules run on, but for the CPU features: targets alike in it are levels of each other."""
+    host = spec.get("host") or {}
+    return (spec.get("device"), spec.get("runtime_driver"), tuple(spec.get("backends", [])), host.get("arch"))
+
+
+def add_levels(indexes: List[Path]) -> None:
+    """Links the builds of targets that run on the same machines (x86_64-v3, x86_64-v4) as Bazel's dsa_policy
+    `levels` do: the index of the one whose CPU features every other needs too (the portable one) lists the
+    others under `levels`, so `dsa run --index` on it takes the most capable one the machine executes. Targets
+    whose features do not nest (no portable one) are left apart."""
+    groups: Dict[tuple, List[Tuple[Path, ModuleIndex, set]]] = {}
+    for path in indexes:
+        index = ModuleIndex.read(path)
+        spec = read_json(path.parent / index.target_spec)
+        if spec.get("host"):
+            groups.setdefault(_machine(spec), []).append((path, index, set(spec["host"].get("cpu_features", []))))
+    for builds in groups.values():
+        if len(builds) < 2:
+            continue
+        base = min(builds, key=lambda b: (len(b[2]), b[1].target))
+        if not all(base[2] <= features for _, _, features in builds):
+            continue
+        path, index, _ = base
+        others = sorted((i.target, p.name) for p, i, _ in builds if p != path)
+        dataclasses.replace(index, levels=tuple(others)).write(path)
 
 
 def _model_sources(entry_point: str, pythonpath: List[str]) -> dict:
@@ -541,6 +573,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                            model_file=a.model_file, cache=cache_from_environment(disabled=a.no_cache))
     for index in indexes:
         print(f"dsa compile: wrote {index} and {index.name.replace('.modules.json', '.lock.json')}")
+        levels = ModuleIndex.read(index).levels
+        if levels:
+            print(f"dsa compile: {index.name} lists its levels {', '.join(t for t, _ in levels)}: `dsa run --index "
+                  f"{index}` runs the most capable build this machine executes")
 
 
 if __name__ == "__main__":

@@ -219,3 +219,14 @@ def run_module_emulated(tools: Path, index_path: Path, slot: int, values: dict, 
     if proc.returncode != 0:
         raise AssertionError(f"iree-run-module under qemu failed ({proc.returncode}): {proc.stderr[-3000:]}")
     return np.load(out)
+
+
+def runnable_builds(index: Path) -> list:
+    """The targets of a module index's builds (its own target's, then its levels') this machine executes: a
+    parity test checks each one, not only the one a runner would choose."""
+    from dsa.core.fileio import read_json
+    from dsa.runtime.host import runs_here
+    from dsa.runtime.policy import ModuleIndex, builds_of
+
+    return [target for target, path in builds_of(index).items()
+            if runs_here(read_json(path.parent / ModuleIndex.read(path).target_spec))]

@@ -242,7 +242,8 @@ def _measure_policy(policy, family: str, *, root: Path, target: dict, candidates
 
     from dsa.runtime.policy import CompiledPolicy
 
-    compiled = CompiledPolicy(policy.index)
+    # The build tuned (its compile view and MLIR), not the level a runner would choose.
+    compiled = CompiledPolicy(policy.index, target=read_module_index(policy.index)["target"])
     base = Path(policy.index).parent
     smallest = compiled.modules[0]
     entry = next(m for m in compiled.index["modules"] if base / m["vmfb"] == smallest.vmfb)

@@ -4,15 +4,20 @@ policy directory, `predict_action_chunk`) at each batch size: batch is bucketed 
 buckets is padded up and the actions cut back to it. The modules read exactly the tensors of LeRobot's
 model.safetensors.
 
-Two builds of the same exports: //models:act for x86_64-v3 (runs on any AVX2 CPU) and
-//models:act_x86_64-v4 (AVX-512). Each build is checked where this machine can run it; where it cannot, the
-check is that loading it is refused with a message naming the target and the missing CPU features (a module
-for a CPU the host lacks would otherwise kill the process with SIGILL).
+Two builds of the same exports, both in `bazel build //models:act`: x86_64-v3 (runs on any AVX2 CPU) and its
+level x86_64-v4 (AVX-512, //models:act_x86_64-v4), which the index lists. Each build is checked where this
+machine can run it; where it cannot, the check is that loading it is refused with a message naming the target
+and the missing CPU features (a module for a CPU the host lacks would otherwise kill the process with
+SIGILL). Loaded without a target, the index runs the most capable build this machine executes.
 
 Tolerance: |vmfb - eager| <= 1e-4 * max(1, max|eager|). Both sides run fp32; IREE reorders the reductions of
 the ResNet-18 backbone and the 4+1-layer transformer: measured ~2e-6 absolute on actions of magnitude ~1.
 A real defect (a wrong weight, a dropped camera, a mis-ordered input) moves the actions by O(1).
 """
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,10 +27,11 @@ from dsa.core.errors import DsaError
 from dsa.core.fileio import read_json
 from dsa.frontends.lerobot import reference_actions
 from dsa.runtime.host import runs_here
-from dsa.runtime.policy import CompiledPolicy, ModuleIndex, sample_inputs
+from dsa.runtime.policy import CompiledPolicy, ModuleIndex, builds_of, sample_inputs
 from dsa.tools.testing import runfile
 
-BUILDS = {"x86_64-v3": runfile("models/act.modules.json"), "x86_64-v4": runfile("models/act_x86_64-v4.modules.json")}
+INDEX = runfile("models/act.modules.json")
+BUILDS = builds_of(INDEX)
 POLICY_DIR = runfile("models/act_policy/config.json").parent
 REL_TOL = 1e-4
 
@@ -39,18 +45,42 @@ RUNNABLE = [t for t, index in BUILDS.items() if runs_here(_spec(index))]
 
 @pytest.fixture(scope="module", params=RUNNABLE)
 def policy(request):
-    return CompiledPolicy(BUILDS[request.param])
+    return CompiledPolicy(INDEX, target=request.param)
+
+
+def test_the_default_build_holds_the_avx512_level_beside_the_portable_one():
+    assert list(BUILDS) == ["x86_64-v3", "x86_64-v4"]
+    assert BUILDS["x86_64-v4"] == runfile("models/act_x86_64-v4.modules.json")
 
 
 def test_the_portable_build_runs_on_every_x86_64_machine():
     assert "x86_64-v3" in RUNNABLE
 
 
+def test_without_a_target_the_most_capable_build_this_machine_runs_is_loaded():
+    policy = CompiledPolicy(INDEX)
+    best = "x86_64-v4" if "x86_64-v4" in RUNNABLE else "x86_64-v3"
+    assert policy.choice.target == policy.index["target"] == best
+    assert "most capable of its builds (x86_64-v3, x86_64-v4)" in policy.choice.why
+
+
+def test_dsa_run_of_the_default_build_runs_the_most_capable_level_without_flags():
+    """`bazel build //models:act` then `dsa run --index bazel-bin/models/act.modules.json`: x86_64-v4 on an
+    AVX-512 machine, x86_64-v3 on an AVX2 one, and it says which and why."""
+    best = "x86_64-v4" if "x86_64-v4" in RUNNABLE else "x86_64-v3"
+    proc = subprocess.run([sys.executable, "-m", "dsa.runtime.run", "--index", str(INDEX), "--repeats", "1"],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))
+    assert proc.returncode == 0, proc.stderr
+    assert f"target {best} (the most capable of its builds (x86_64-v3, x86_64-v4) this machine runs" in proc.stdout
+    assert f"model act on {best} (local-task)" in proc.stdout
+
+
 @pytest.mark.parametrize("target", sorted(set(BUILDS) - set(RUNNABLE)))
 def test_a_build_this_cpu_cannot_execute_is_refused_before_loading(target):
     with pytest.raises(DsaError, match=rf"compiled for target '{target}' and cannot run on this machine: it needs "
                                        r"the CPU features avx512"):
-        CompiledPolicy(BUILDS[target])
+        CompiledPolicy(INDEX, target=target)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 4])

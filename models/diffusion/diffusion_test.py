@@ -17,20 +17,25 @@ import pytest
 
 from dsa.frontends.lerobot import reference_actions
 from dsa.runtime.policy import CompiledPolicy, sample_inputs
-from dsa.tools.testing import runfile
+from dsa.tools.testing import runfile, runnable_builds
 
 POLICY_DIR = runfile("models/diffusion_policy/config.json").parent
 REL_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def kept():
-    return CompiledPolicy(runfile("models/diffusion.modules.json"))
+KEPT = runfile("models/diffusion.modules.json")
+UNROLLED = runfile("models/diffusion_unrolled.modules.json")
 
 
-@pytest.fixture(scope="module")
-def unrolled():
-    return CompiledPolicy(runfile("models/diffusion_unrolled.modules.json"))
+# Every build of each (x86_64-v3 and its level x86_64-v4) this machine runs.
+@pytest.fixture(scope="module", params=runnable_builds(KEPT))
+def kept(request):
+    return CompiledPolicy(KEPT, target=request.param)
+
+
+@pytest.fixture(scope="module", params=runnable_builds(UNROLLED))
+def unrolled(request):
+    return CompiledPolicy(UNROLLED, target=request.param)
 
 
 def observation(record, batch, seed, steps=None):

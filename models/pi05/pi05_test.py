@@ -13,15 +13,19 @@ import pytest
 
 from dsa.frontends.lerobot.third_party.openpi_transformers import GEMMA_SCHEME
 from dsa.runtime.policy import CompiledPolicy
-from dsa.tools.testing import runfile
+from dsa.tools.testing import runfile, runnable_builds
 from models.vla_loop_checks import MASK, check_kept_loop_matches_eager, check_step_count_is_a_runtime_input
 
 POLICY_DIR = runfile("models/pi05_policy/config.json").parent
 
 
-@pytest.fixture(scope="module")
-def kept():
-    return CompiledPolicy(runfile("models/pi05.modules.json"))
+INDEX = runfile("models/pi05.modules.json")
+
+
+# Every build (x86_64-v3 and its level x86_64-v4) this machine runs.
+@pytest.fixture(scope="module", params=runnable_builds(INDEX))
+def kept(request):
+    return CompiledPolicy(INDEX, target=request.param)
 
 
 @pytest.mark.parametrize("batch,steps,prompt", [(1, 1, 8), (2, 3, 5), (2, 10, 6)])

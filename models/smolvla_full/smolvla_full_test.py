@@ -17,14 +17,14 @@ from dsa.core.fileio import read_json
 from dsa.core.runtime_flags import merge_runtime_flags
 from dsa.runtime import iree_flags
 from dsa.runtime.host import runs_here
-from dsa.runtime.policy import CompiledPolicy, ModuleIndex
+from dsa.runtime.policy import CompiledPolicy, ModuleIndex, builds_of
 from dsa.tools.testing import runfile
 from models.vla_loop_checks import MASK, check_kept_loop_matches_eager
 
 POLICY_DIR = runfile("models/smolvla_full_policy/config.json").parent
 RECORD = runfile("models/smolvla_full_model/export_record.json")
-BUILDS = {"x86_64-v3": runfile("models/smolvla_full.modules.json"),
-          "x86_64-v4": runfile("models/smolvla_full_x86_64-v4.modules.json")}
+INDEX = runfile("models/smolvla_full.modules.json")
+BUILDS = builds_of(INDEX)  # x86_64-v3 and its level x86_64-v4 (//models:smolvla_full_x86_64-v4)
 RUNNABLE = [t for t, index in BUILDS.items()
             if runs_here(read_json(index.parent / ModuleIndex.read(index).target_spec))]
 # Both builds share this process's IREE runtime: it is set up once, for the one that needs the most.
@@ -33,7 +33,7 @@ iree_flags.require(merge_runtime_flags(ModuleIndex.read(BUILDS[t]).runtime_flags
 
 @pytest.fixture(scope="module", params=RUNNABLE)
 def kept(request):
-    return CompiledPolicy(BUILDS[request.param])
+    return CompiledPolicy(INDEX, target=request.param)
 
 
 def test_full_size_module_matches_eager_lerobot_at_ten_steps(kept):

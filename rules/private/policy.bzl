@@ -17,8 +17,10 @@ POLICY_TAG = "dsa_policy"
 # the default index, the benchmark's sets and `bazel build //...` never build them.
 REAL_SIZE_TAG = "real_size"
 _TEST_TAG = "dsa_parity_test="
-# On the dsa_vmfb of a policy built for a further target (`more_targets`): the policy it is a build of.
+# On the dsa_vmfb of a policy built for a further target (`more_targets`, `levels`): the policy it is a build of.
 _BUILD_OF_TAG = "dsa_policy_build_of="
+# On the dsa_vmfb of a level (`levels`): the policy whose default build holds it.
+_LEVEL_OF_TAG = "dsa_policy_level_of="
 
 # The LeRobot environment and front end: what every `framework: lerobot` model's export needs.
 _LEROBOT_ENV = Label("@dsa_lerobot_python//:env")
@@ -41,6 +43,7 @@ def dsa_policy(
         bucket = None,
         tuning = None,
         more_targets = {},
+        levels = {},
         python_env = None,
         parity_test = None,
         stand_in = {},
@@ -57,6 +60,9 @@ def dsa_policy(
         (dsa_vmfb, tagged "dsa_policy" so that dsa_policies and the tools find it);
       * for each of `more_targets`, `<name>_<target name>`: the same exports compiled for that target (a
         dsa_vmfb of its own: its modules, index and lock), found by the tools like `<name>`.
+      * for each of `levels`, `<name>_<target name>` as well, and `<name>` holds it: `bazel build :<name>`
+        builds every level, `<name>`'s index lists them, and the runner takes the most capable one the
+        machine executes.
 
     Args:
       name: the policy's name: the dsa_vmfb target, and the prefix of the targets it makes.
@@ -79,6 +85,11 @@ def dsa_policy(
       more_targets: {dsa_target label: its tuning file label, or None}: further targets to build the same
         exports for, e.g. an AVX-512 build beside a portable x86-64-v3 `target`. Each must be among the
         manifest's `targets`; a runner refuses a build its machine cannot execute (the target spec's `host`).
+      levels: {dsa_target label: its tuning file label, or None}: further targets of the same machines that
+        the default build holds beside `target` — every x86-64 level the manifest lists (x86_64-v4 beside a
+        portable x86_64-v3 `target`). `dsa run`, `dsa.runtime.load`, the runner and a bundle of `<name>` take
+        the most capable build this machine executes (by the target specs' `host` CPU features), and say
+        which; no output depends on the building machine. Each must be among the manifest's `targets`.
       python_env: the dsa_python_env to export in; LeRobot policies default to @dsa_lerobot_python.
       stand_in: how seeded stand-in weights are made, for real-size models: {"dtype": "bfloat16"} saves them
         in bf16 (as large models are published), {"shards": N} as a sharded checkpoint (`<name>_checkpoint/`,
@@ -161,27 +172,31 @@ def dsa_policy(
         dsa_bucket(name = name + "_buckets", count = bucket["count"], dim = bucket["dim"], model = src, tags = tags, **common)
         src = ":%s_buckets" % name
     test_tags = [_TEST_TAG + parity_test] if parity_test else []
+    both = [t for t in levels if t in more_targets]
+    if both:
+        fail("dsa_policy %s: %s is in both levels and more_targets; a level is built with <name> already" % (name, ", ".join(both)))
     dsa_vmfb(
         name = name,
         src = src,
         target = target,
         tuning = tuning,
+        levels = [":%s_%s" % (name, t.rpartition(":")[2]) for t in levels],
         tags = tags + [POLICY_TAG] + test_tags,
         **common
     )
-    for more, more_tuning in more_targets.items():
+    for more, more_tuning in dict(levels, **more_targets).items():
         dsa_vmfb(
             name = "%s_%s" % (name, more.rpartition(":")[2]),
             src = src,
             target = more,
             tuning = more_tuning,
-            tags = tags + [POLICY_TAG, _BUILD_OF_TAG + name] + test_tags,
+            tags = tags + [POLICY_TAG, _BUILD_OF_TAG + name] + ([_LEVEL_OF_TAG + name] if more in levels else []) + test_tags,
             **common
         )
 
 def _index_impl(ctx):
     rows = []
-    for policy, test in zip(ctx.attr.policies, ctx.attr.tests):
+    for policy, test, level_of, build_of in zip(ctx.attr.policies, ctx.attr.tests, ctx.attr.level_of, ctx.attr.build_of):
         model = policy[DsaModuleInfo].model
         config = model.policy_config
         rows.append(struct(
@@ -198,6 +213,12 @@ def _index_impl(ctx):
             # Frameworks onnx, stablehlo: the model file the export imports, else None.
             model_file = model.model_file.short_path if model.model_file else None,
             test = test,
+            # The policy whose default build holds this one as a level, else None.
+            level_of = level_of or None,
+            # The policy this is a further build of (a level, or one of `more_targets`), else None.
+            build_of = build_of or None,
+            # The targets its index stands for: its own, then its levels' (the runner takes the most capable).
+            targets = [policy[DsaModuleInfo].target.name] + [m.target.name for m in policy[DsaModuleInfo].levels],
         ))
     pipelines = []
     for pipeline, test in zip(ctx.attr.pipelines, ctx.attr.pipeline_tests):
@@ -219,6 +240,8 @@ _dsa_policy_index = rule(
     attrs = {
         "policies": attr.label_list(providers = [DsaModuleInfo]),
         "tests": attr.string_list(),
+        "level_of": attr.string_list(),
+        "build_of": attr.string_list(),
         "pipelines": attr.label_list(providers = [DsaPipelineInfo]),
         "pipeline_tests": attr.string_list(),
     },
@@ -258,10 +281,10 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
       pipeline_tests: {pipeline name: the label of its parity test}.
       **kwargs: visibility, tags, ... (both targets).
     """
-    policies, tests, models = [], [], []
+    policies, tests, models, level_of, build_of = [], [], [], [], []
     pipelines, ptests = [], []
     code, checkpoints, lerobot = {}, [], []
-    real_policies, real_tests, real_models, real_pipelines, real_ptests = [], [], [], [], []
+    real_policies, real_tests, real_models, real_pipelines, real_ptests, real_level_of, real_build_of = [], [], [], [], [], [], []
     rules = native.existing_rules()
     for rule_name, r in rules.items():
         if REAL_SIZE_TAG in r.get("tags", []) and r["kind"] in ("dsa_vmfb", "dsa_pipeline"):
@@ -273,6 +296,8 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
                 real_policies.append(":" + rule_name)
                 test = [t[len(_TEST_TAG):] for t in r["tags"] if t.startswith(_TEST_TAG)]
                 real_tests.append(test[0] if test else "")
+                real_level_of.append(([t[len(_LEVEL_OF_TAG):] for t in r["tags"] if t.startswith(_LEVEL_OF_TAG)] + [""])[0])
+                real_build_of.append(([t[len(_BUILD_OF_TAG):] for t in r["tags"] if t.startswith(_BUILD_OF_TAG)] + [""])[0])
                 base = ([t[len(_BUILD_OF_TAG):] for t in r["tags"] if t.startswith(_BUILD_OF_TAG)] + [rule_name])[0]
                 real_models += [":%s_model" % base] + ([":%s_buckets" % base] if (base + "_buckets") in rules else [])
             continue
@@ -280,6 +305,8 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
             policies.append(":" + rule_name)
             test = [t[len(_TEST_TAG):] for t in r["tags"] if t.startswith(_TEST_TAG)]
             tests.append(test[0] if test else "")
+            level_of.append(([t[len(_LEVEL_OF_TAG):] for t in r["tags"] if t.startswith(_LEVEL_OF_TAG)] + [""])[0])
+            build_of.append(([t[len(_BUILD_OF_TAG):] for t in r["tags"] if t.startswith(_BUILD_OF_TAG)] + [""])[0])
             # A build for a further target shares the helpers of the policy it is a build of.
             base = ([t[len(_BUILD_OF_TAG):] for t in r["tags"] if t.startswith(_BUILD_OF_TAG)] + [rule_name])[0]
             models.append(":%s_model" % base)
@@ -305,6 +332,8 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
         name = name + "_index",
         policies = policies,
         tests = tests,
+        level_of = level_of,
+        build_of = build_of,
         pipelines = pipelines,
         pipeline_tests = ptests,
         **kwargs
@@ -334,6 +363,8 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
         name = name + "_real_size_index",
         policies = real_policies,
         tests = real_tests,
+        level_of = real_level_of,
+        build_of = real_build_of,
         pipelines = real_pipelines,
         pipeline_tests = real_ptests,
         **real_kwargs

@@ -52,6 +52,8 @@ DsaModuleInfo = provider(
         "reports": "list of Files: the compile report of each module.",
         "index": "File: the module index the runner loads (JSON).",
         "lock": "File: the recipe lock (JSON): digests of every input and output of these modules.",
+        "levels": "list of DsaModuleInfo: the same export compiled for further targets (dsa_vmfb's `levels`); the index names them.",
+        "files": "depset of Files: these modules' own outputs (the index and all it names), without the levels'.",
     },
 )
 

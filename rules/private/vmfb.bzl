@@ -3,7 +3,7 @@
 load(":common.bzl", "ACTION_ENV", "TOOLCHAINS", "TOOL_ATTRS", "execution_requirements", "manifest_view", "repo_relative", "stage_sources", "toolchain_identity")
 load(":providers.bzl", "DsaBucketInfo", "DsaModelInfo", "DsaModuleInfo", "DsaTargetInfo")
 
-def _lock_action(ctx, lock, index, spec, model, target, tuning, compile_view, bucket_views, mlirs, records, vmfbs, reports):
+def _lock_action(ctx, lock, index, spec, model, target, tuning, compile_view, bucket_views, mlirs, records, vmfbs, reports, levels):
     """DsaLock: digests of every input and output of these modules (see dsa/stages/lock.py), and the module
     index the runner loads (dsa.core.formats.ModuleIndex, the index's one writer)."""
     views = {"export": model.export_view, "params": model.params_view, "runtime": model.runtime_view, "compile": compile_view}
@@ -41,6 +41,7 @@ def _lock_action(ctx, lock, index, spec, model, target, tuning, compile_view, bu
     args.add("--index-target", target.name)
     args.add("--index-target-spec", spec)
     args.add("--index-runtime-view", model.runtime_view)
+    args.add_all(["%s=%s" % (level.target.name, level.index.basename) for level in levels], before_each = "--index-level")
     ctx.actions.run(
         executable = ctx.executable._lock_tool,
         arguments = [args],
@@ -74,6 +75,31 @@ def _tuning_for(ctx, target, overridden):
     fail(("dsa_vmfb %s: --//:target chose %s, but there is no tuning file %s for it (the rule names %s); " +
           "add one to the target's `tuning` (toolchains/tuning/README.md: an unmeasured file says so) or " +
           "build this policy for its own target") % (ctx.label, target.name, wanted, given.short_path))
+
+def _levels(ctx, model, target, overridden):
+    """The DsaModuleInfo of each of `levels`, checked: the same dsa_model's export compiled for another target,
+    in this package (its index lies beside this one: the index names it by file name). None under
+    --//:target, which compiles every dsa_vmfb for one target."""
+    if overridden:
+        return []
+    seen = {target.name: str(ctx.label)}
+    out = []
+    for level in ctx.attr.levels:
+        info = level[DsaModuleInfo]
+        if info.model.params != model.params or info.model.manifest != model.manifest:
+            fail(("dsa_vmfb %s: level %s compiles another dsa_model; a level is this export compiled for " +
+                  "another target (one export, one parameter archive)") % (ctx.label, level.label))
+        if level.label.workspace_name != ctx.label.workspace_name or level.label.package != ctx.label.package:
+            fail("dsa_vmfb %s: level %s is in another package; build the levels beside the policy (dsa_policy's `levels`)" % (
+                ctx.label, level.label))
+        if info.levels:
+            fail("dsa_vmfb %s: level %s has levels of its own; list every level on %s" % (ctx.label, level.label, ctx.label))
+        if info.target.name in seen:
+            fail("dsa_vmfb %s: %s and %s are both compiled for target %s; each level is another target" % (
+                ctx.label, seen[info.target.name], level.label, info.target.name))
+        seen[info.target.name] = str(level.label)
+        out.append(info)
+    return out
 
 def _dsa_vmfb_impl(ctx):
     name = ctx.label.name
@@ -131,15 +157,25 @@ def _dsa_vmfb_impl(ctx):
     spec = ctx.actions.declare_file("%s/%s.json" % (name, target.name))
     ctx.actions.symlink(output = spec, target_file = target.spec)
 
+    levels = _levels(ctx, model, target, bool(override.name))
+
     # The module index: written by the DsaLock action, which has every path (one writer: ModuleIndex).
     index = ctx.actions.declare_file(name + ".modules.json")
     lock = ctx.actions.declare_file(name + ".lock.json")
-    _lock_action(ctx, lock, index, spec, model, target, tuning, view, bucket_views, mlirs, records, vmfbs, reports)
+    _lock_action(ctx, lock, index, spec, model, target, tuning, view, bucket_views, mlirs, records, vmfbs, reports, levels)
 
     files = vmfbs + reports + records + [index, lock, model.params, model.runtime_view, spec]
+    # A level's outputs are this target's outputs too: building the policy builds every level.
+    level_targets = [] if override.name else ctx.attr.levels
+    runfiles = ctx.runfiles(files = files + [view])
+    for level in level_targets:
+        runfiles = runfiles.merge(level[DefaultInfo].default_runfiles)
     return [
         # The compile view rides in the runfiles: the tuner compiles the policy again with it.
-        DefaultInfo(files = depset(files), runfiles = ctx.runfiles(files = files + [view])),
+        DefaultInfo(
+            files = depset(files, transitive = [level[DefaultInfo].files for level in level_targets]),
+            runfiles = runfiles,
+        ),
         DsaModuleInfo(
             model = model,
             target = target,
@@ -148,6 +184,8 @@ def _dsa_vmfb_impl(ctx):
             reports = reports,
             index = index,
             lock = lock,
+            levels = levels,
+            files = depset(files),
         ),
         OutputGroupInfo(index = depset([index])),
     ]
@@ -167,6 +205,13 @@ Editing the tuning file recompiles exactly the dsa_vmfb targets that name it."""
         "tuning": attr.label(
             allow_single_file = [".json"],
             doc = "Tuning file for this model family and target (toolchains/tuning/<family>.<target>.json).",
+        ),
+        "levels": attr.label_list(
+            providers = [DsaModuleInfo],
+            doc = "dsa_vmfbs of the same `src` for further targets of the same machines (x86-64-v4 beside " +
+                  "x86-64-v3), in this package: building this target builds them, its index lists them, and a " +
+                  "runner without an explicit target runs the most capable one the machine executes " +
+                  "(docs/targets.md). Ignored under --//:target.",
         ),
         "_compile_tool": attr.label(default = Label("//dsa:compile_tool"), executable = True, cfg = "exec"),
         # --//:target: another target for the whole build (default: none, each rule's own `target`).

@@ -30,18 +30,27 @@ def rebundle_pipeline(work: Path, out: Path, manifest_source: str, processors: S
     from dsa.manifest.contract import dump_json, load_manifest, project
 
     dump_json(project(load_manifest(work / B.MANIFEST_YAML), "runtime"), work / B.RUNTIME_VIEW_JSON)
-    lock = read_json(work / B.LOCK_JSON)
-    lock["manifest"]["sha256"] = sha256_file(work / B.MANIFEST_YAML)
-    lock["views"]["runtime"] = sha256_file(work / B.RUNTIME_VIEW_JSON)
-    (work / B.LOCK_JSON).write_text(canonical_json(lock), encoding="utf-8")
-    modules = sorted(m["name"] for m in lock["modules"])
-    W.create_bundle(out, lock=work / B.LOCK_JSON, manifest=work / B.MANIFEST_YAML,
-                    runtime_view=work / B.RUNTIME_VIEW_JSON, target_spec=work / B.TARGET_SPEC_JSON,
-                    params=work / B.PARAMS_IRPA,
-                    modules=[W.ModuleInput(m, work / f"{m}.vmfb", work / f"{m}.export_record.json",
-                                           work / f"{m}.compile_report.json") for m in modules],
-                    manifest_source=manifest_source, processors=list(processors),
-                    policy_config=work / "policy_config.json")
+    meta = read_json(work / B.BUNDLE_JSON)
+    # A single-model bundle's files lie at the root; a multi-target one's (a policy's levels) under `<target>.`.
+    prefixes = [t["target"] + "." for t in meta["targets"]] if meta.get("kind") == "multi-target" else [""]
+    stages = []
+    for prefix in prefixes:
+        lock_path = work / (prefix + B.LOCK_JSON)
+        lock = read_json(lock_path)
+        lock["manifest"]["sha256"] = sha256_file(work / B.MANIFEST_YAML)
+        lock["views"]["runtime"] = sha256_file(work / B.RUNTIME_VIEW_JSON)
+        lock_path.write_text(canonical_json(lock), encoding="utf-8")
+        modules = sorted(m["name"] for m in lock["modules"])
+        stages.append(W.StageInput(
+            name="", lock=lock_path, manifest=work / B.MANIFEST_YAML, runtime_view=work / B.RUNTIME_VIEW_JSON,
+            target_spec=work / (prefix + B.TARGET_SPEC_JSON), params=work / B.PARAMS_IRPA,
+            modules=[W.ModuleInput(m, work / f"{prefix}{m}.vmfb", work / f"{prefix}{m}.export_record.json",
+                                   work / f"{prefix}{m}.compile_report.json") for m in modules],
+            manifest_source=manifest_source))
+    if len(stages) > 1:
+        W.write_multi_target_bundle(out, stages, processors=list(processors), policy_config=work / "policy_config.json")
+    else:
+        W.write_bundle(out, stages, processors=list(processors), policy_config=work / "policy_config.json")
     return out
 
 

@@ -65,7 +65,7 @@ def other_dataset():
 
 def test_new_statistics_move_only_the_runtime_view(opened, other_dataset, tmp_path):
     _, manifest = _rebuild(opened, tmp_path, other_dataset)
-    before = load_manifest(opened.manifest_path)
+    before = load_manifest(opened.root / B.MANIFEST_YAML)  # every level's manifest: one file
     for view in ("export", "params"):
         assert project(manifest, view) == project(before, view), view
     assert project(manifest, "compile", target="x86_64-v3") == project(before, "compile", target="x86_64-v3")
@@ -75,7 +75,10 @@ def test_new_statistics_move_only_the_runtime_view(opened, other_dataset, tmp_pa
 def test_dsa_diff_names_the_normalisation_nodes_whose_statistics_changed(opened, other_dataset, tmp_path):
     out, _ = _rebuild(opened, tmp_path, other_dataset)
     with B.open_bundle(out) as changed:
-        result = diff_bundles(opened, changed)
+        # The bundle holds the policy's levels (x86_64-v4, x86_64-v3): compared for one of them, as `dsa diff
+        # --target` does.
+        assert opened.targets == changed.targets == ["x86_64-v4", "x86_64-v3"]
+        result = diff_bundles(opened.for_target("x86_64-v3"), changed.for_target("x86_64-v3"))
     pipeline = result["pipeline"]
     assert sorted(pipeline["changed"]) == ["postprocessor[0] unnormalizer_processor",
                                            "preprocessor[3] normalizer_processor"]

@@ -31,7 +31,7 @@ _MODEL_INFO_FIELDS = [
     "python_env",
 ]
 
-_MODULE_INFO_FIELDS = ["model", "target", "vmfbs", "records", "reports", "index", "lock"]
+_MODULE_INFO_FIELDS = ["model", "target", "vmfbs", "records", "reports", "index", "lock", "levels", "files"]
 
 _TARGET_INFO_FIELDS = ["name", "spec", "tuning_files"]
 
@@ -194,6 +194,42 @@ dsa_vmfb_module_info_test = analysistest.make(
         "module_stems": attr.string_list(mandatory = True),
     },
 )
+
+def _levels_test_impl(ctx):
+    """A policy with levels: its DsaModuleInfo lists them, its DsaLock action writes them into the index by
+    file name, and building it builds them (their modules are among its outputs)."""
+    env = analysistest.begin(ctx)
+    target = analysistest.target_under_test(env)
+    info = target[DsaModuleInfo]
+    name = target.label.name
+    asserts.equals(env, ctx.attr.levels, [m.target.name for m in info.levels], "DsaModuleInfo.levels")
+    lock = _one_action(env, "DsaLock")
+    if lock:
+        asserts.equals(env, ["%s=%s_%s.modules.json" % (t, name, t) for t in ctx.attr.levels],
+                       _flag_values(lock.argv, "--index-level"), "the index's levels")
+    default = [f.short_path for f in target[DefaultInfo].files.to_list()]
+    for level in info.levels:
+        for f in level.vmfbs + [level.index, level.lock]:
+            asserts.true(env, f.short_path in default, "%s (a level's output) is not among %s's outputs" % (f.short_path, name))
+    return analysistest.end(env)
+
+levels_test = analysistest.make(_levels_test_impl, attrs = {"levels": attr.string_list()})
+
+def _bundle_levels_test_impl(ctx):
+    """A bundle of a module with levels holds every level, the most capable first (the writer orders them);
+    with levels = False, the module's own target alone."""
+    env = analysistest.begin(ctx)
+    action = _one_action(env, "DsaBundle")
+    if action:
+        indexes = [v.rpartition("/")[2] for v in _flag_values(action.argv, "--index")]
+        asserts.equals(env, ctx.attr.indexes, indexes, "the bundle's module indexes")
+        asserts.equals(env, ctx.attr.most_capable_first, "--most-capable-first" in action.argv)
+    return analysistest.end(env)
+
+bundle_levels_test = analysistest.make(_bundle_levels_test_impl, attrs = {
+    "indexes": attr.string_list(),
+    "most_capable_first": attr.bool(),
+})
 
 def _dsa_target_info_test_impl(ctx):
     env = analysistest.begin(ctx)
@@ -463,6 +499,20 @@ def dsa_rules_analysis_tests(name):
             "module_stems": ["model"],
         }),
         (dsa_target_info_test, "dsa_target_provides_target_info", {"target_under_test": "//toolchains/targets:x86_64-v3"}),
+        (levels_test, "a_policy_with_levels_lists_them_in_its_index_and_builds_them", {
+            "target_under_test": "//models:pi0",
+            "levels": ["x86_64-v4", "x86_64-v4-bf16"],
+        }),
+        (bundle_levels_test, "a_bundle_of_a_policy_with_levels_holds_every_level_most_capable_first", {
+            "target_under_test": "//models:pi0_levels_bundle",
+            "indexes": ["pi0.modules.json", "pi0_x86_64-v4.modules.json", "pi0_x86_64-v4-bf16.modules.json"],
+            "most_capable_first": True,
+        }),
+        (bundle_levels_test, "a_bundle_with_levels_false_holds_the_policys_own_target", {
+            "target_under_test": "//models:pi0_bundle",
+            "indexes": [],
+            "most_capable_first": False,
+        }),
 
         # (2) mnemonics and counts
         (action_counts_test, "dsa_vmfb_over_3_buckets_declares_3_compiles_and_1_lock", {
@@ -587,6 +637,14 @@ def dsa_rules_analysis_tests(name):
         (analysis_failure_test, "multi_target_bundle_of_one_module_fails", {
             "target_under_test": ":multi_target_bundle_of_one_module",
             "message": "`modules` takes the dsa_vmfbs of two or more targets; bundle one with `module`",
+        }),
+        (analysis_failure_test, "a_level_of_another_model_fails", {
+            "target_under_test": ":vmfb_with_a_level_of_another_model",
+            "message": "level //models:transformer compiles another dsa_model; a level is this export compiled for another target",
+        }),
+        (analysis_failure_test, "a_level_in_another_package_fails", {
+            "target_under_test": ":vmfb_with_a_level_in_another_package",
+            "message": "level //models:pi0_x86_64-v4 is in another package; build the levels beside the policy",
         }),
         (analysis_failure_test, "dsa_vmfb_with_a_tuning_file_of_another_target_fails_before_any_action", {
             "target_under_test": ":vmfb_tuned_for_another_target",

@@ -127,11 +127,21 @@ def _lerobot_episode(name, spec, observations, tasks, **overrides):
     return np.stack(actions)
 
 
-def _run_both(name, tolerance, steps=None, **overrides):
+def _runnable_levels(name):
+    """The targets of the policy's pipeline bundle (its levels: x86_64-v4, x86_64-v3) this machine runs, in the
+    bundle's order."""
+    from dsa.runtime.bundle import open_bundle
+
+    with open_bundle(runfile(f"models/{name}_pipeline_bundle.tar")) as opened:
+        return [t for t, why in opened.why_not_here().items() if why is None]
+
+
+def _run_both(name, tolerance, steps=None, target=None, **overrides):
     from lerobot.utils.control_utils import predict_action
 
     bundle = runfile(f"models/{name}_pipeline_bundle.tar")
-    with dsa.runtime.load(bundle, seed=SEED, temporal_ensemble_coeff=overrides.get("temporal_ensemble_coeff")) as ours:
+    with dsa.runtime.load(bundle, target, seed=SEED,
+                          temporal_ensemble_coeff=overrides.get("temporal_ensemble_coeff")) as ours:
         spec = ours.pipeline.spec
         policy, pre, post = _lerobot(name, **overrides)
         noise = spec["loop"]["noise"]
@@ -158,9 +168,17 @@ def _run_both(name, tolerance, steps=None, **overrides):
         return observations
 
 
+@pytest.mark.parametrize("name,target", [(name, target) for name in sorted(POLICIES) for target in _runnable_levels(name)])
+def test_an_episode_of_raw_observations_gives_lerobots_raw_actions(name, target):
+    _run_both(name, POLICIES[name], target=target)
+
+
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_an_episode_of_raw_observations_gives_lerobots_raw_actions(name):
-    _run_both(name, POLICIES[name])
+def test_the_pipeline_bundle_holds_every_level_and_load_takes_the_most_capable_this_machine_runs(name):
+    with dsa.runtime.load(runfile(f"models/{name}_pipeline_bundle.tar")) as ours:
+        assert ours.bundle.targets == ["x86_64-v4", "x86_64-v3"]  # most capable first
+        assert ours.target == _runnable_levels(name)[0]
+        assert ours.compiled.index["target"] == ours.target
 
 
 def test_act_with_temporal_ensembling_gives_lerobots_ensembled_actions():

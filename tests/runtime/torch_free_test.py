@@ -90,7 +90,9 @@ def test_the_bundle_gives_the_build_trees_actions():
     obs = _observation()
     steps = next(s["name"] for s in CompiledPolicy(INDEX).modules[0].record["inputs"] if "value_range" in s)
     with dsa.runtime.load(BUNDLE) as policy:
-        (want, *_), _ = CompiledPolicy(INDEX).run(dict(obs, **{steps: np.array(policy.flow_steps, np.int64)}))
+        # The build tree's modules of the bundle's target (pi0_bundle holds π0's own, not its levels).
+        (want, *_), _ = CompiledPolicy(INDEX, target=policy.target).run(
+            dict(obs, **{steps: np.array(policy.flow_steps, np.int64)}))
         np.testing.assert_array_equal(policy.predict_action_chunk(obs), want)
 
 

@@ -108,7 +108,7 @@ def test_run_picks_the_first_target_this_machine_runs_with_its_own_actions(fleet
     line = next(l for l in proc.stdout.splitlines() if l.startswith(f"target {expected}"))
     assert all(f"; {t}: " in line for t in skipped) and "'cuda'" in line, line
     index = "models/pi0.modules.json" if expected == "x86_64-v3" else "models/pi0_x86_64-v4.modules.json"
-    own = cli("dsa.runtime.run", "--index", runfile(index), *args)
+    own = cli("dsa.runtime.run", "--index", runfile(index), "--target", expected, *args)
     assert own.returncode == 0, own.stderr
     assert first_actions(proc.stdout) == first_actions(own.stdout) and len(first_actions(own.stdout)) == 2
 
@@ -122,8 +122,10 @@ def test_target_flag_runs_that_target_and_refuses_one_the_bundle_lacks(fleet):
     assert "target x86_64-v3 (chosen with --target)" in proc.stdout
     refused(cli("dsa.runtime.run", "--bundle", runfile(FLEET), "--target", "riscv64-rvv", "--steps", "1"),
             "holds no modules for target 'riscv64-rvv'", "cuda-sm_87, aarch64-orin, x86_64-v4, x86_64-v3")
-    refused(cli("dsa.runtime.run", "--index", runfile("models/pi0.modules.json"), "--target", "x86_64-v3"),
-            "--target: applies to --bundle only")
+    # An index's --target chooses among its own build and its levels.
+    refused(cli("dsa.runtime.run", "--index", runfile("models/pi0.modules.json"), "--target", "riscv64-rvv"),
+            "has no build for target 'riscv64-rvv' (it has x86_64-v3, x86_64-v4, x86_64-v4-bf16)",
+            "pass one of its targets")
 
 
 def test_target_this_machine_cannot_run_is_refused_before_loading(fleet):

@@ -34,6 +34,8 @@ class Policy:
     name: str
     index: Path
     policy_dir: Path
+    # The policy this build is a level of (dsa_policy's `levels`: `<name>` holds it), or None.
+    level_of: Optional[str] = None
 
 
 def lerobot_policies(root: Path) -> List[Policy]:
@@ -42,7 +44,7 @@ def lerobot_policies(root: Path) -> List[Policy]:
     if not path.is_file():
         raise DsaError(str(path), "no policies index", "run the benchmark with `bazel run //bench`, which builds it")
     rows = PoliciesIndex.read(path)["policies"]
-    return [Policy(r["name"], root / r["index"], (root / r["policy_config"]).parent)
+    return [Policy(r["name"], root / r["index"], (root / r["policy_config"]).parent, r.get("level_of"))
             for r in rows if r.get("policy_config")]
 
 
@@ -290,6 +292,13 @@ def policy_parameters(index: Path) -> int:
     return int(ExportRecord.read(index.parent / first)["parameter_count"])
 
 
+def shipped_build(index: Path) -> Path:
+    """The module index a runner loads for `index` on this machine: the most capable of its levels it runs."""
+    from dsa.runtime.policy import choose_level
+
+    return choose_level(index).index
+
+
 def not_runnable(index: Path) -> Optional[dict]:
     """{"target", "not_run": why} for a module index whose target this machine cannot execute (an AVX-512
     build on an AVX2 CPU), else None."""
@@ -318,11 +327,12 @@ def run_lerobot_benchmark(root: Path, *, models: Optional[Sequence[str]], runs: 
     """The LeRobot half of `bazel run //bench`, run in the LeRobot environment: one row per policy."""
     iree_flags.set_task_threads(threads)
     policies = lerobot_policies(root)
-    if models:
-        policies = [p for p in policies if p.name in set(models)]
+    # Each policy once, as a user runs it: `<name>`'s index, whose build the runner chooses among its levels
+    # (the levels' own rows are measured when named).
+    policies = [p for p in policies if p.name in set(models)] if models else [p for p in policies if not p.level_of]
     # One IREE runtime for every policy of this process, set up before the first device with the runtime
     # flags (a worker stack) the most demanding module that runs here needs.
-    iree_flags.require(merge_runtime_flags(read_module_index(p.index).get("runtime_flags", [])
+    iree_flags.require(merge_runtime_flags(read_module_index(shipped_build(p.index)).get("runtime_flags", [])
                                            for p in policies if not_runnable(p.index) is None), "dsa bench")
     rows = []
     with tempfile.TemporaryDirectory(prefix="dsa-bench-lerobot-") as tmp:
