@@ -337,6 +337,29 @@ def test_lerobot_policies_are_the_index_rows_with_a_policy_config(tmp_path):
         lerobot_bench.lerobot_policies(tmp_path)
 
 
+def test_the_benchmark_measures_each_policy_once_and_a_level_only_when_named(tmp_path, monkeypatch):
+    """`act` is measured as a user runs it (the runner's choice among its levels); its level
+    `act_x86_64-v4`'s own row only when --models names it."""
+    row = lambda name, **extra: dict({  # noqa: E731
+        "name": name, "label": f"//models:{name}", "index": f"models/{name}.modules.json",
+        "manifest": "manifests/act.yaml", "checkpoint": "models/act_policy/model.safetensors",
+        "policy_config": "models/act_policy/config.json", "model_file": None, "python": None, "test": ""}, **extra)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "policies_index.json").write_text(json.dumps({"format": 1, "pipelines": [], "policies": [
+        row("act", targets=["x86_64-v3", "x86_64-v4"]),
+        row("act_x86_64-v4", level_of="act", build_of="act", targets=["x86_64-v4"])]}))
+    assert [(p.name, p.level_of) for p in lerobot_bench.lerobot_policies(tmp_path)] == [
+        ("act", None), ("act_x86_64-v4", "act")]
+    measured = []
+    monkeypatch.setattr(lerobot_bench, "not_runnable", lambda index: {"target": "t", "not_run": "here"})
+    monkeypatch.setattr(lerobot_bench.iree_flags, "require", lambda flags, where: None)
+    monkeypatch.setattr(lerobot_bench.iree_flags, "set_task_threads", lambda n: None)
+    monkeypatch.setattr(lerobot_bench, "read_module_index", lambda index: measured.append(index.name) or {})
+    for models, names in ((None, ["act"]), (["act", "act_x86_64-v4"], ["act", "act_x86_64-v4"])):
+        rows = lerobot_bench.run_lerobot_benchmark(tmp_path, models=models, runs=1, warmup=0, threads=1)
+        assert [r["model"] for r in rows] == names
+
+
 def test_quiet_wait_returns_at_once_on_an_idle_machine_and_reports_a_busy_one(monkeypatch):
     monkeypatch.setattr(timing, "load_average", lambda: 0.4)
     assert timing.wait_for_quiet(limit=1.5, wait_s=30) == {"load": 0.4, "waited_s": 0.0, "quiet": True}

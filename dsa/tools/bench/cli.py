@@ -108,10 +108,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise DsaError("--target", f"unknown target '{target}'",
                        f"choose one of {sorted(p.stem for p in (root / 'toolchains' / 'targets').glob('*.json'))}")
     subjects = load_subjects(root / "bench" / "subjects.json", root)
-    policies = [] if a.no_lerobot else [p.name for p in lerobot_policies(root)]
+    every_build = [] if a.no_lerobot else lerobot_policies(root)
+    # Each policy once, as `bazel build //models:<name>` ships it (the runner takes the most capable of its
+    # levels); a level's own row only when named.
+    policies = [p.name for p in every_build if not p.level_of]
     quant_layers = not a.no_quant_layers
     if a.models:
         quant_layers = quant_layers and QUANT_LAYERS_SUBJECT in a.models
+        policies = [p.name for p in every_build]
         known = [s.name for s in subjects] + policies + [QUANT_LAYERS_SUBJECT]
         unknown = sorted(set(a.models) - set(known))
         if unknown:

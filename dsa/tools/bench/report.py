@@ -108,8 +108,9 @@ def render_markdown(results: dict) -> str:
             "",
             "## LeRobot policies: the shipped modules",
             "",
-            "Each LeRobot policy the repository builds, as `bazel build //models:<name>` ships it (its own "
-            "target and tuning; the smallest bucket, batch 1, the manifest's step count) against LeRobot's "
+            "Each LeRobot policy the repository builds, as `bazel build //models:<name>` ships it (the build "
+            "the runner takes on this machine among the policy's levels, `target`, with its tuning; the "
+            "smallest bucket, batch 1, the manifest's step count) against LeRobot's "
             "own eager inference on the same policy directory (`PolicyClass.from_pretrained`, "
             "`predict_action_chunk` / `generate_actions`), ONNX Runtime and torch.compile of that same eager "
             "call, in the LeRobot environment, timed in alternating rounds. `load` is the 1-minute load "
