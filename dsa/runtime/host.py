@@ -67,6 +67,12 @@ def missing_for(spec: dict, arch: str, features: Optional[Sequence[str]]) -> Opt
     return None
 
 
+def capability(spec: dict) -> int:
+    """How capable a CPU a target needs: the number of CPU features its spec's `host` names. Among targets a
+    machine runs, the one with the most is taken (best_target; a policy's levels: dsa.runtime.policy)."""
+    return len((spec.get("host") or {}).get("cpu_features", []))
+
+
 def best_target(targets_dir: Path, *, features: Optional[Sequence[str]] = None, arch: Optional[str] = None) -> str:
     """The most capable target of `targets_dir` (the one needing the most CPU features) that a CPU of `arch`
     with `features` runs, by each spec's `host` requirements; both default to this machine's. A CPU whose
@@ -79,7 +85,7 @@ def best_target(targets_dir: Path, *, features: Optional[Sequence[str]] = None, 
     if not fitting:
         raise DsaError(str(targets_dir), "no target spec fits this machine's CPU",
                        "pass --target NAME, or add a target for this CPU (docs/architecture.md)")
-    return max(fitting, key=lambda s: (len(s["host"].get("cpu_features", [])), s["name"]))["name"]
+    return max(fitting, key=lambda s: (capability(s), s["name"]))["name"]
 
 
 def runs_here(spec: dict) -> bool:

@@ -31,7 +31,7 @@ import numpy as np
 from dsa.core.errors import DsaError
 from dsa.core.fileio import read_json, sha256_bytes
 from dsa.runtime import iree_flags
-from dsa.runtime.host import check_host, host_arch, host_cpu_features, missing_driver, missing_for
+from dsa.runtime.host import capability, check_host, host_arch, host_cpu_features, missing_driver, missing_for
 
 from dsa.core.formats import INDEX_FORMAT, PARAMETER_METADATA_PREFIX, ExportRecord, ModuleIndex  # noqa: F401 (re-exported)
 
@@ -123,7 +123,7 @@ def choose_level(index_path: Path, target: Optional[str] = None, *, arch: Option
         if reason:
             why_not[name] = reason
         else:
-            runnable.append((len(spec.get("host", {}).get("cpu_features", [])), name, path))
+            runnable.append((capability(spec), name, path))
     if not runnable:
         raise DsaError(str(index_path), "has no build this machine can run: " +
                        "; ".join(f"{t}: {why}" for t, why in why_not.items()),

@@ -194,6 +194,10 @@ def dsa_policy(
             **common
         )
 
+def _tag_value(rule, prefix):
+    """The value of `rule`'s first tag `<prefix><value>` (native.existing_rules' view of a target), or ""."""
+    return ([t[len(prefix):] for t in rule.get("tags", []) if t.startswith(prefix)] + [""])[0]
+
 def _index_impl(ctx):
     rows = []
     for policy, test, level_of, build_of in zip(ctx.attr.policies, ctx.attr.tests, ctx.attr.level_of, ctx.attr.build_of):
@@ -294,21 +298,19 @@ def dsa_policies(name, pipeline_tests = {}, **kwargs):
                 real_ptests.append(pipeline_tests.get(rule_name, ""))
             elif POLICY_TAG in r["tags"]:
                 real_policies.append(":" + rule_name)
-                test = [t[len(_TEST_TAG):] for t in r["tags"] if t.startswith(_TEST_TAG)]
-                real_tests.append(test[0] if test else "")
-                real_level_of.append(([t[len(_LEVEL_OF_TAG):] for t in r["tags"] if t.startswith(_LEVEL_OF_TAG)] + [""])[0])
-                real_build_of.append(([t[len(_BUILD_OF_TAG):] for t in r["tags"] if t.startswith(_BUILD_OF_TAG)] + [""])[0])
-                base = ([t[len(_BUILD_OF_TAG):] for t in r["tags"] if t.startswith(_BUILD_OF_TAG)] + [rule_name])[0]
+                real_tests.append(_tag_value(r, _TEST_TAG))
+                real_level_of.append(_tag_value(r, _LEVEL_OF_TAG))
+                real_build_of.append(_tag_value(r, _BUILD_OF_TAG))
+                base = _tag_value(r, _BUILD_OF_TAG) or rule_name
                 real_models += [":%s_model" % base] + ([":%s_buckets" % base] if (base + "_buckets") in rules else [])
             continue
         if r["kind"] == "dsa_vmfb" and POLICY_TAG in r.get("tags", []):
             policies.append(":" + rule_name)
-            test = [t[len(_TEST_TAG):] for t in r["tags"] if t.startswith(_TEST_TAG)]
-            tests.append(test[0] if test else "")
-            level_of.append(([t[len(_LEVEL_OF_TAG):] for t in r["tags"] if t.startswith(_LEVEL_OF_TAG)] + [""])[0])
-            build_of.append(([t[len(_BUILD_OF_TAG):] for t in r["tags"] if t.startswith(_BUILD_OF_TAG)] + [""])[0])
+            tests.append(_tag_value(r, _TEST_TAG))
+            level_of.append(_tag_value(r, _LEVEL_OF_TAG))
+            build_of.append(_tag_value(r, _BUILD_OF_TAG))
             # A build for a further target shares the helpers of the policy it is a build of.
-            base = ([t[len(_BUILD_OF_TAG):] for t in r["tags"] if t.startswith(_BUILD_OF_TAG)] + [rule_name])[0]
+            base = _tag_value(r, _BUILD_OF_TAG) or rule_name
             models.append(":%s_model" % base)
             for dep in rules.get(base + "_model", {}).get("deps", []):
                 code[dep] = True
