@@ -14,6 +14,7 @@ import argparse
 import json
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -63,7 +64,54 @@ def tuning_flags(tuning: dict, target: dict, where: str) -> List[str]:
                        f"'{target['name']}'", f"use toolchains/tuning/{tuning['family']}.{target['name']}.json")
     flags = check_tuning_flags(tuning["flags"], where)
     runtime_flag_values(tuning.get("runtime_flags", []), where)
+    if "dispatch_spec" in tuning:
+        check_dispatch_spec_field(tuning, where)
     return list(flags)
+
+
+def check_dispatch_spec_field(tuning: dict, where: str) -> dict:
+    """A tuning file's `dispatch_spec`: {"file": "<family>.<target>.spec.mlir" (beside it: the rules find it by
+    that name), "sha256": its digest (so the tuning file, which the lock pins, pins the spec too)}."""
+    field = tuning["dispatch_spec"]
+    wanted = f"{tuning['family']}.{tuning['target']}.spec.mlir"
+    hint = "write it with `dsa tune-dispatches` (toolchains/tuning/README.md)"
+    if not isinstance(field, dict) or set(field) != {"file", "sha256"}:
+        raise DsaError(f"{where}: dispatch_spec", 'is not {"file": ..., "sha256": ...}', hint)
+    if field["file"] != wanted:
+        raise DsaError(f"{where}: dispatch_spec.file", f"is {str(field['file'])[:100]!r}; this tuning's spec is "
+                       f"named {wanted} and lies beside it", hint)
+    if not isinstance(field["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}", field["sha256"]):
+        raise DsaError(f"{where}: dispatch_spec.sha256", "is not a sha256 hex digest", hint)
+    return field
+
+
+SPEC_PATH_KEY = "dispatch_spec_path"  # set by load_tuning, never written to a file
+
+
+def load_tuning(tuning_path, where: Optional[str] = None) -> dict:
+    """A tuning file, with the path of the dispatch spec it names (checked: `dispatch_spec_path`) under
+    SPEC_PATH_KEY, so that whoever compiles with it (compile_module, the profiler) applies the spec too."""
+    tuning = read_json(tuning_path)
+    spec = dispatch_spec_path(tuning, tuning_path, where or str(tuning_path)) if isinstance(tuning, dict) else None
+    return dict(tuning, **{SPEC_PATH_KEY: str(spec)}) if spec is not None else tuning
+
+
+def dispatch_spec_path(tuning: Optional[dict], tuning_path, where: str) -> Optional[Path]:
+    """The dispatch spec a tuning file names, beside it, checked against the digest it pins; None when it
+    names none."""
+    if tuning is None or "dispatch_spec" not in tuning:
+        return None
+    field = check_dispatch_spec_field(tuning, where)
+    spec = Path(tuning_path).parent / field["file"]
+    if not spec.is_file():
+        raise DsaError(f"{where}: dispatch_spec.file", f"names {field['file']}, which is not beside {tuning_path}",
+                       "keep the spec beside its tuning file (a dsa_target's own tuning lists both)")
+    digest = sha256_file(spec)
+    if digest != field["sha256"]:
+        raise DsaError(f"{where}: dispatch_spec.sha256", f"{spec.name} has sha256 {digest[:16]}…, the tuning file "
+                       f"pins {field['sha256'][:16]}…", "a spec changed without its tuning file: run `dsa "
+                       "tune-dispatches` again, or pin the new digest in the tuning file if the edit is meant")
+    return spec
 
 
 # What quantised weights need (dsa.stages.quant): no constant evaluation or hoisting (either would materialise
@@ -186,14 +234,27 @@ def compile_module(
     *,
     where: str = "compile",
     tuning: Optional[dict] = None,
+    dispatch_spec: Optional[Path] = None,
 ) -> dict:
+    """Compiles `mlir`; `dispatch_spec` (what `dispatch_spec_path` gives for the tuning file) is applied
+    between configuration and code generation (dsa/stages/dispatch_spec.py)."""
     flags = compile_flags(view, target, where, tuning)
+    if dispatch_spec is None and tuning is not None and tuning.get(SPEC_PATH_KEY):
+        dispatch_spec = Path(tuning[SPEC_PATH_KEY])
+    spec_counts = None
     with tempfile.TemporaryDirectory(prefix="dsa-compile-") as tmp:
         stats_path = Path(tmp) / "statistics.json"
         stats_flags = ["--iree-scheduling-dump-statistics-format=json",
                        f"--iree-scheduling-dump-statistics-file={stats_path}"]
         with atomic_output(out_vmfb) as tmp_vmfb:
-            run_iree_compile(mlir, flags + stats_flags, tmp_vmfb, where, view)
+            if dispatch_spec is None:
+                run_iree_compile(mlir, flags + stats_flags, tmp_vmfb, where, view)
+            else:
+                from dsa.stages import dispatch_spec as specs
+
+                spec_counts = specs.compile_with_spec(
+                    mlir, flags, dispatch_spec, tmp_vmfb, where,
+                    lambda m, f, o: run_iree_compile(m, f, o, where, view), start_flags=stats_flags)
             stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
             vmfb_size = tmp_vmfb.stat().st_size
             vmfb_sha = sha256_file(tmp_vmfb)
@@ -212,6 +273,15 @@ def compile_module(
         "vmfb_bytes": vmfb_size,
         "iree_base_compiler": _compiler_version(),
     }
+    if spec_counts is not None:
+        from dsa.stages import dispatch_spec as specs
+
+        report["dispatch_spec"] = specs.spec_report(dispatch_spec, spec_counts)
+        unmatched = report["dispatch_spec"]["unmatched"]
+        if unmatched:  # said, not hidden: the module keeps IREE's own configuration for these
+            sys.stderr.write(f"{where}: dispatch spec {dispatch_spec.name}: {len(unmatched)} of {len(spec_counts)} "
+                             f"entries match no dispatch of this module ({', '.join(unmatched)}); they were tuned "
+                             "for other shapes or another compiler (the compile report lists them)\n")
     runtime_flags = [] if tuning is None else merge_runtime_flags([tuning.get("runtime_flags", [])])
     if runtime_flags:
         # What the module needs of its runner (absent when nothing: reports of untouched tunings keep their bytes).
@@ -243,8 +313,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     where = f"{a.mlir} for target {Path(a.target).stem}"
     tuning = None
     if a.tuning:
-        tuning = read_json(a.tuning)
         where = f"{where} with {a.tuning}"
+        tuning = load_tuning(a.tuning, where)
     view = read_json(a.view)
     # What ships (a dsa_vmfb) is compiled with the tuning its manifest names; experiments (the benchmark's
     # untuned variants) call compile_module directly.

@@ -16,6 +16,7 @@
     dsa pte run BUNDLE.tar|PROGRAM.pte      run the ExecuTorch Plan B (in the ExecuTorch environment)
     dsa profile --manifest M ...            the top dispatches, with their source ops and modules
     dsa bench | dsa tune MODEL...           the latency benchmark; measure compile flags for a model family
+    dsa tune-dispatches --profile-dir DIR   measure tile sizes of a profile's heaviest dispatches: a dispatch spec
     dsa import-matrix                       the README's import matrix from built models
     dsa scale MANIFEST... | --sweep pi0     real-size models' stages, runtime and eager: time and peak memory
     dsa execlog LOG                         what a build with --execution_log_json_file ran and what hit a cache
@@ -51,6 +52,7 @@ COMMANDS: Dict[str, str] = {
     "profile": "dsa.tools.profiler",
     "bench": "dsa.tools.bench",
     "tune": "dsa.tools.tune",
+    "tune-dispatches": "dsa.tools.dispatch_tune",
     "import-matrix": "dsa.tools.import_matrix",
     "scale": "dsa.tools.scale",
     "execlog": "dsa.tools.execlog",

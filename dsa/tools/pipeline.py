@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 
 from dsa.core.formats import ExportRecord
 from dsa.stages.checkpoint import make_checkpoint
-from dsa.stages.compile import check_tuning_family, compile_module, target_flags, tuning_flags
+from dsa.stages.compile import check_tuning_family, compile_module, load_tuning, target_flags, tuning_flags
 from dsa.core.errors import DsaError, run_cli
 from dsa.stages.export import export_model, model_source_files
 from dsa.core.fileio import read_json, write_json_atomic
@@ -272,7 +272,7 @@ def build_into(
                          {"module.vmfb": vmfb, "compile_report.json": report},
                          compile_module, mlir, compile_view, target, vmfb, report,
                          where=f"{mlir} for target {target_name}",
-                         tuning=read_json(tuning_file) if tuning_file else None)
+                         tuning=load_tuning(tuning_file) if tuning_file else None)
             modules.append({"vmfb": os.path.relpath(vmfb, out), "record": os.path.relpath(module_record, out)})
             module_files.append(ModuleFiles(mlir.stem, mlir, module_record, vmfb, report))
         target_copy = out / target_name / f"{target_name}.json"

@@ -344,6 +344,9 @@ def tune(models: List[str], *, root: Path, target_name: str, runs: int, warmup: 
         "target": target_name,
         "flags": winner["flags"],
         **({"runtime_flags": winner["runtime_flags"]} if winner.get("runtime_flags") else {}),
+        # The dispatch spec (`dsa tune-dispatches`) is measured apart: kept as it is. New flags can configure its
+        # ops otherwise; its entries then match nothing and the compile reports say so (re-run that tuner).
+        **({"dispatch_spec": current["dispatch_spec"]} if (current or {}).get("dispatch_spec") else {}),
         "chosen": f"candidate '{winner['name']}', measured by `bazel run //bench:tune -- {' '.join(models)} "
                   f"--target {target_name}` {how} on {host_cpu_model()}"
                   + (f" (vs eager: {ratios})" if ratios else "")

@@ -24,10 +24,11 @@ import pytest
 from safetensors import safe_open
 
 from dsa.core.errors import DsaError
-from dsa.core.fileio import read_json
+from dsa.core.fileio import read_json, sha256_file
 from dsa.frontends.lerobot import reference_actions
 from dsa.runtime.host import runs_here
 from dsa.runtime.policy import CompiledPolicy, ModuleIndex, builds_of, sample_inputs
+from dsa.stages.dispatch_spec import spec_entries
 from dsa.tools.testing import runfile
 
 INDEX = runfile("models/act.modules.json")
@@ -77,6 +78,27 @@ def test_dsa_run_of_the_default_build_runs_the_most_capable_level_without_flags(
 
 
 @pytest.mark.parametrize("target", sorted(set(BUILDS) - set(RUNNABLE)))
+def test_every_entry_of_the_dispatch_spec_sets_the_tiles_of_a_batch1_dispatch_of_the_avx512_build():
+    """toolchains/tuning/resnet_policy.x86_64-v4.spec.mlir was measured on this build's batch-1 module (`dsa
+    tune-dispatches`); the tuning file pins it and DsaCompile applies it. An entry that no longer matches (a
+    compiler that configures the convolution otherwise, a changed model) fails here instead of leaving IREE's
+    tiles in place unnoticed. The batch-4 module has other shapes: the spec leaves it alone, and says so."""
+    spec = runfile("toolchains/tuning/resnet_policy.x86_64-v4.spec.mlir")
+    tuning = read_json(runfile("toolchains/tuning/resnet_policy.x86_64-v4.json"))
+    assert tuning["dispatch_spec"] == {"file": spec.name, "sha256": sha256_file(spec)}
+    entries = spec_entries(spec)
+    index = BUILDS["x86_64-v4"]
+    reports = [read_json(index.parent / vmfb.replace(".vmfb", ".compile_report.json"))
+               for vmfb, _ in ModuleIndex.read(index).modules]
+    batch1, batch4 = reports
+    assert batch1["dispatch_spec"]["sha256"] == sha256_file(spec)
+    assert batch1["dispatch_spec"]["unmatched"] == []
+    assert sorted(batch1["dispatch_spec"]["matched"]) == sorted(entries)
+    assert batch4["dispatch_spec"]["matched"] == {} and sorted(batch4["dispatch_spec"]["unmatched"]) == sorted(entries)
+    portable = read_json(BUILDS["x86_64-v3"].parent / "act" / "batch_0.compile_report.json")
+    assert "dispatch_spec" not in portable  # the x86_64-v3 tuning names no spec
+
+
 def test_a_build_this_cpu_cannot_execute_is_refused_before_loading(target):
     with pytest.raises(DsaError, match=rf"compiled for target '{target}' and cannot run on this machine: it needs "
                                        r"the CPU features avx512"):

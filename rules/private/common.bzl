@@ -152,7 +152,7 @@ A target in your own workspace works like the rule set's: pass it as a dsa_vmfb'
 or choose it for a whole build with `--@rules_dsa//:target=//your:target` (docs/targets.md).""",
     attrs = {
         "spec": attr.label(mandatory = True, allow_single_file = [".json"], doc = "Target spec (JSON): device, backends, runtime driver, flags."),
-        "tuning": attr.label_list(allow_files = [".json"], doc = "Tuning files for this target (`<family>.<target>.json`), found by family when a build chooses this target with //:target; the rule set's own toolchains/tuning files are always searched."),
+        "tuning": attr.label_list(allow_files = [".json", ".mlir"], doc = "Tuning files for this target (`<family>.<target>.json`, and the `<family>.<target>.spec.mlir` dispatch spec one names), found by family when a build chooses this target with //:target; the rule set's own toolchains/tuning files are always searched."),
     },
     provides = [DsaTargetInfo],
 )

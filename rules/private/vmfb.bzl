@@ -76,6 +76,18 @@ def _tuning_for(ctx, target, overridden):
           "add one to the target's `tuning` (toolchains/tuning/README.md: an unmeasured file says so) or " +
           "build this policy for its own target") % (ctx.label, target.name, wanted, given.short_path))
 
+def _dispatch_spec_for(ctx, target, tuning):
+    """The dispatch spec beside `tuning` (<family>.<target>.spec.mlir, written by `dsa tune-dispatches`) among
+    the target's and the rule set's tuning files, or None. It is an input of every DsaCompile that reads the
+    tuning file; the tool refuses a tuning file that names a spec it was not given."""
+    if not tuning:
+        return None
+    wanted = tuning.basename[:-len(".json")] + ".spec.mlir"
+    for f in target.tuning_files + ctx.files._rule_set_tuning:
+        if f.basename == wanted and f.dirname == tuning.dirname:
+            return f
+    return None
+
 def _levels(ctx, model, target, overridden):
     """The DsaModuleInfo of each of `levels`, checked: the same dsa_model's export compiled for another target,
     in this package (its index lies beside this one: the index names it by file name). None under
@@ -108,6 +120,7 @@ def _dsa_vmfb_impl(ctx):
     override = ctx.attr._target_flag[DsaTargetInfo]
     target = override if override.name else ctx.attr.target[DsaTargetInfo]
     tuning = _tuning_for(ctx, target, bool(override.name))
+    dispatch_spec = _dispatch_spec_for(ctx, target, tuning)
     src = ctx.attr.src
     if DsaBucketInfo in src:
         model = src[DsaBucketInfo].model
@@ -142,7 +155,8 @@ def _dsa_vmfb_impl(ctx):
         ctx.actions.run(
             executable = ctx.executable._compile_tool,
             arguments = [args],
-            inputs = [mlir, view, target.spec, toolchain_identity(ctx)] + ([tuning] if tuning else []),
+            inputs = [mlir, view, target.spec, toolchain_identity(ctx)] + ([tuning] if tuning else []) +
+                     ([dispatch_spec] if dispatch_spec else []),
             outputs = [vmfb, report],
             mnemonic = "DsaCompile",
             progress_message = "Compiling %s for %s" % (mlir.short_path, target.name),

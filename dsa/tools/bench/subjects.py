@@ -15,6 +15,7 @@ import numpy as np
 
 from dsa.core.errors import DsaError, one_line
 from dsa.core.fileio import read_json, sha256_file
+from dsa.stages.compile import load_tuning
 from dsa.tools.bench.runtimes import (ORT_SPINNING, Built, IreeModule, executorch_available, ort_file_session,
                                       ort_session)
 from dsa.tools.bench.timing import GOAL_EAGER_RATIO, GOAL_ORT_RATIO, measure_interleaved, parity
@@ -182,7 +183,7 @@ def bench_subject(subject: Subject, *, target_name: str, root: Path, work: Path,
     manifest = load_subject_manifest(subject, root, work)
     target = read_json(root / "toolchains" / "targets" / f"{target_name}.json")
     tuning_path = root / "toolchains" / "tuning" / f"{subject.family}.{target_name}.json"
-    tuning = read_json(tuning_path) if tuning_path.exists() else None
+    tuning = load_tuning(tuning_path) if tuning_path.exists() else None
     pythonpath = [str(root)]
     defaults = list(manifest["model"].get("rewrites", passes.DEFAULT_PASSES))
 
@@ -369,7 +370,7 @@ def _profile(subject: Subject, built: Built, target: dict, root: Path, *, case: 
         result = profile.profile_model(
             subject.manifest, built.irpa, root / "toolchains" / "targets" / f"{target['name']}.json",
             bucket=subject.bucket, inputs=case, top=top,
-            tuning=read_json(tuning_path) if tuning_path.exists() else None,
+            tuning=load_tuning(tuning_path) if tuning_path.exists() else None,
             pythonpath=[str(root)], rewrites=None,
         )
         keep = ("total_ms", "dispatch_ms", "dispatch_calls", "flags", "vmfb_sha256", "runs")

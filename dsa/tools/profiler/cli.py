@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from dsa.core.errors import run_cli
+from dsa.stages.compile import load_tuning
 from dsa.tools.profiler.model import DEFAULT_RUNS, profile_model
 from dsa.tools.profiler.sources import INFERRED_MARK
 
@@ -60,6 +61,11 @@ def format_profile(result: dict, top: Optional[int] = None) -> str:
                      "higher-order op's subgraph (torch.export records no module stack there)")
     if result["unmapped"]:
         lines.append(f"no source found for: {', '.join(result['unmapped'])}")
+    spec = result.get("dispatch_spec")
+    if spec is not None:
+        unmatched = [n for n, c in spec.items() if not c]
+        lines.append(f"dispatch spec: {len(spec) - len(unmatched)} of {len(spec)} entries set the tiles of "
+                     f"{sum(spec.values())} dispatch(es)" + (f"; matching none: {', '.join(unmatched)}" if unmatched else ""))
     lines.append(f"vmfb sha256 {result['vmfb_sha256']} (the build's, for the same flags and rewrites)")
     return "\n".join(lines)
 
@@ -121,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     result = profile_model(
         a.manifest, a.checkpoint or a.params, a.target, bucket=a.bucket, steps=a.steps, top=a.top,
         tuning_flags=a.extra_flag + passthrough, runs=a.runs, inputs=dict(a.input),
-        tuning=read_json(tuning) if tuning else None, pythonpath=a.pythonpath or ["."], keep_dir=a.keep,
+        tuning=load_tuning(tuning) if tuning else None, pythonpath=a.pythonpath or ["."], keep_dir=a.keep,
         rewrites=rewrites, policy_config=a.policy_config)
     print(format_profile(result))
     if a.json:

@@ -49,7 +49,7 @@ def profile_model(
     (None: the manifest's). `keep_dir`: keep the MLIR, executable sources, .vmfb and profile there.
     `policy_config`: framework lerobot, the policy's config.json (default: the manifest's
     model.policy_config.path, relative to the manifest)."""
-    from dsa.stages.compile import compile_flags, run_iree_compile
+    from dsa.stages.compile import SPEC_PATH_KEY, compile_flags, run_iree_compile
     from dsa.stages.export import PARAMETER_SCOPE, check_supported_ops, trace_model
     from dsa.core.fileio import read_json, sha256_file
     from dsa.manifest.contract import load_manifest, project
@@ -111,7 +111,16 @@ def profile_model(
         run_iree_compile(mlir_path, flags + ["--compile-to=executable-sources", "--mlir-print-debuginfo"],
                          sources_path, where)
         vmfb = work / "model.vmfb"
-        run_iree_compile(sources_path, flags + ["--compile-from=executable-sources"], vmfb, where)
+        spec = (tuning or {}).get(SPEC_PATH_KEY)
+        spec_counts = None
+        if spec:  # as the build compiles it: the tuning's dispatch spec applied between configuration and codegen
+            from dsa.stages.dispatch_spec import compile_with_spec
+
+            spec_counts = compile_with_spec(sources_path, flags, Path(spec), vmfb, where,
+                                            lambda m, f, o: run_iree_compile(m, f, o, where),
+                                            start_flags=["--compile-from=executable-sources"])
+        else:
+            run_iree_compile(sources_path, flags + ["--compile-from=executable-sources"], vmfb, where)
         vmfb_sha256 = sha256_file(vmfb)
         timings["compile_s"] = time.monotonic() - start
         sources = map_dispatches(sources_path.read_text(), nodes)
@@ -147,6 +156,8 @@ def profile_model(
         "flags": flags,
         # Locations change no byte of the module: this is the build's vmfb_sha256 for the same flags.
         "vmfb_sha256": vmfb_sha256,
+        # The tuning's dispatch spec, when it names one: each entry's count of dispatches it set the tiles of.
+        "dispatch_spec": spec_counts,
         "rewrites": list(rewrites) if rewrites is not None else None,
         "runs": runs,
         "profiling_mode": profiling_mode_of(target["runtime_driver"]),

@@ -1,0 +1,495 @@
+"""dsa tune-dispatches: measure lowering configurations of a model's heaviest dispatches; keep the winners as a
+dispatch spec (dsa/stages/dispatch_spec.py) with their evidence.
+
+    dsa profile --manifest M ... --keep DIR --json DIR/profile.json      # what is heavy, and the build's IR
+    dsa tune-dispatches --profile-dir DIR --out toolchains/tuning/<family>.<target>.spec.mlir
+
+For each of the profile's top dispatches (by time per call of the model) whose root op the tuner knows how to
+tile (today: IREE's data-tiled CPU convolution, the `Mmt4dTilingExpert` 9-D generic that ResNet backbones
+become), it builds a standalone benchmark of that one dispatch (IREE's own
+`--iree-hal-dump-executable-benchmarks-to`, with the executable as the build compiles it), compiles it to
+executable-configurations, and times IREE's configuration against candidate tile sizes — the register tile
+(output channels × rows × columns held in vector registers), then the distribution tile (the work of one
+workgroup, keeping at least MIN_WORKGROUPS of them) — with iree-benchmark-module on one thread (`--threads`),
+in alternating rounds (each candidate's time over IREE's in the same round: a machine that slows down mid-run
+biases none). A candidate is kept when the median of its ratios is at
+most `--keep-below` (default 0.9: the 2-core machines this runs on vary ±10% run to run) and a confirming run
+agrees. Then the whole model is compiled with the spec: every entry must match, the outputs must equal the
+untuned module's (|x − y| ≤ 2e-4·max(1, |y|), on the profile's inputs), and both are timed. Nothing is written
+unless all of that holds; the evidence file records every dispatch measured, what was chosen and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from dsa.core.errors import DsaError, run_cli
+from dsa.core.fileio import read_json, sha256_file, write_json_atomic
+from dsa.stages import dispatch_spec
+from dsa.stages.compile import run_iree_compile
+from dsa.stages.iree_tools import iree_compile_path
+
+EVIDENCE_FORMAT = 1
+# Dispatches are timed on one thread: on the 2-core machines this runs on, one worker's time varies ±4% run
+# to run, two workers' ±30% (the second core is shared with the host). Tile sizes decide one workgroup's speed;
+# the distribution candidates keep at least this many workgroups, so that the runtime's threads stay balanced.
+MIN_WORKGROUPS = 8
+PARITY_TOLERANCE = 2e-4
+_CONFIG_FIELDS = re.compile(r"(\w+) = \[([0-9, ]*)\]")
+
+
+# -- the standalone benchmark of one dispatch ------------------------------------------------------------------
+
+
+def executable_block(text: str, name: str, where: str) -> Tuple[int, int, List[str]]:
+    """(first line, last line, lines) of `hal.executable private @name` at the top level of a module."""
+    lines = text.split("\n")
+    head = f"  hal.executable private @{name} {{"
+    try:
+        first = lines.index(head)
+    except ValueError:
+        raise DsaError(where, f"has no executable @{name}") from None
+    last = next((k for k in range(first + 1, len(lines)) if lines[k].startswith("  }")), None)
+    if last is None:
+        raise DsaError(where, f"executable @{name} does not end")
+    return first, last, lines
+
+
+def standalone_benchmark(benchmark_text: str, sources_text: str, executable: str) -> str:
+    """IREE's benchmark module of one executable, with the executable as the build's sources hold it (before
+    configuration): compiled, it is configured by the same heuristics as in the whole model, so a spec entry
+    written from it matches the whole model's op."""
+    s_first, s_last, s_lines = executable_block(sources_text, executable, "executable sources")
+    b_first, b_last, b_lines = executable_block(benchmark_text, executable, "executable benchmark")
+    return "\n".join(b_lines[:b_first] + s_lines[s_first:s_last + 1] + b_lines[b_last + 1:])
+
+
+# -- candidates -------------------------------------------------------------------------------------------------
+
+
+def parse_config(config: str) -> Dict[str, List[int]]:
+    return {k: [int(x) for x in v.split(",") if x.strip()] for k, v in _CONFIG_FIELDS.findall(config)}
+
+
+def format_config(fields: Dict[str, List[int]]) -> str:
+    body = ", ".join(f"{k} = [{', '.join(map(str, v))}]" for k, v in fields.items())
+    return f"#iree_cpu.lowering_config<{body}>"
+
+
+def conv_shape(op: str) -> Optional[Dict[str, int]]:
+    """The sizes of IREE's data-tiled convolution (a linalg.generic over (n, oc_o, oh, ow, ic_o, kh, kw, oc_i,
+    ic_i) writing (n, oc_o, oh, ow, oc_i)), or None when `op` is not one."""
+    if not op.startswith(("%", "linalg.generic")) or "linalg.generic" not in op.split("\n")[0]:
+        return None
+    maps = re.findall(r"affine_map<\(d0, d1, d2, d3, d4, d5, d6, d7, d8\) -> \(([^)]*)\)>", op)
+    if len(maps) != 3 or maps[2].replace(" ", "") != "d0,d1,d2,d3,d7":
+        return None
+    outs = re.search(r"outs\(%[\w#]+ : tensor<(\d+)x(\d+)x(\d+)x(\d+)x(\d+)x\w+>\)", op)
+    if not outs:
+        return None
+    n, oco, oh, ow, oci = map(int, outs.groups())
+    return {"n": n, "oc_o": oco, "oh": oh, "ow": ow, "oc_i": oci}
+
+
+def _divisors(x: int) -> List[int]:
+    return [d for d in range(1, x + 1) if x % d == 0]
+
+
+def conv_candidates(op: str, default: str, vector_registers: int) -> List[Tuple[str, str]]:
+    """(name, lowering_config) candidates for a data-tiled convolution: register tiles (stage "v"), each with
+    IREE's distribution; the distribution tiles are searched around the best register tile afterwards
+    (`distribution_candidates`)."""
+    shape = conv_shape(op)
+    fields = parse_config(default)
+    if shape is None or set(fields) != {"distribution", "vector_common_parallel", "vector_reduction"} or \
+            len(fields["vector_common_parallel"]) != 9:
+        return []
+    budget = vector_registers - 4  # accumulators; the rest hold the filter vector and broadcasts
+    ow_tiles = sorted({d for d in _divisors(shape["ow"]) if 2 <= d <= 32} | {8, 16} & set(range(1, shape["ow"] + 1)))
+    out = []
+    for v_oc in (1, 2):
+        if shape["oc_o"] % v_oc:
+            continue
+        for v_oh in (1, 2, 4):
+            if v_oh > shape["oh"]:
+                continue
+            for v_ow in ow_tiles:
+                acc = v_oc * v_oh * v_ow
+                if not 4 <= acc <= budget:
+                    continue
+                vcp = list(fields["vector_common_parallel"])
+                vcp[1], vcp[2], vcp[3] = v_oc, v_oh, v_ow
+                dist = list(fields["distribution"])
+                dist[1] = max(dist[1], v_oc) if dist[1] else 0
+                dist[2] = max(dist[2], v_oh) if dist[2] else 0
+                cand = dict(fields, vector_common_parallel=vcp, distribution=dist)
+                config = format_config(cand)
+                if config != format_config(fields):
+                    out.append((f"v{v_oc}x{v_oh}x{v_ow}", config))
+    return out
+
+
+def distribution_candidates(op: str, base: str) -> List[Tuple[str, str]]:
+    """Distribution tiles (output-channel blocks × rows per workgroup) around the register tile of `base`."""
+    shape = conv_shape(op)
+    fields = parse_config(base)
+    vcp = fields["vector_common_parallel"]
+    out = []
+    oc_tiles = sorted({d for d in (1, 2, 4, 8) if shape["oc_o"] % d == 0 and d >= vcp[1]})
+    rows = shape["oh"]
+    oh_tiles = sorted({d for d in _divisors(rows) if d >= vcp[2] and d % vcp[2] == 0 and (d <= 16 or d == rows)})
+    for d_oc in oc_tiles:
+        for d_oh in oh_tiles:
+            workgroups = shape["n"] * (shape["oc_o"] // d_oc) * -(-rows // d_oh)
+            if workgroups < MIN_WORKGROUPS:  # too few to keep every thread of the runtime busy
+                continue
+            dist = list(fields["distribution"])
+            dist[1], dist[2] = d_oc, d_oh
+            config = format_config(dict(fields, distribution=dist))
+            if config != base:
+                out.append((f"d{d_oc}x{d_oh}", config))
+    return out
+
+
+# -- measuring ---------------------------------------------------------------------------------------------------
+
+
+class Bench:
+    """Compiles candidates of one standalone dispatch and times them in alternating rounds."""
+
+    def __init__(self, configured: str, root_config: str, work: Path, driver: str, where: str, threads: int = 1):
+        self.configured, self.root_config, self.work, self.driver, self.where = configured, root_config, work, driver, where
+        self.threads = threads
+        self.modules: Dict[str, Path] = {}
+        self.failed: Dict[str, str] = {}
+
+    def compile(self, name: str, config: str) -> bool:
+        if name in self.modules:
+            return True
+        text = self.configured.replace(f"lowering_config = {self.root_config}", f"lowering_config = {config}", 1)
+        src = self.work / f"{name}.mlir"
+        src.write_text(text)
+        vmfb = self.work / f"{name}.vmfb"
+        proc = subprocess.run([iree_compile_path(), str(src), f"--compile-from={dispatch_spec.CONFIGURED_PHASE}",
+                               "-o", str(vmfb)], capture_output=True, text=True)
+        src.unlink()
+        if proc.returncode != 0:
+            lines = [l for l in proc.stderr.splitlines() if "error:" in l]
+            self.failed[name] = (lines[0] if lines else "no message").split("error:", 1)[-1].strip()[:200]
+            return False
+        self.modules[name] = vmfb
+        return True
+
+    def time_us(self, name: str, min_time: float) -> float:
+        from dsa.tools.profiler.runner import runtime_tool_path
+
+        cmd = [runtime_tool_path("iree-benchmark-module"), f"--module={self.modules[name]}",
+               f"--device={self.driver}", f"--task_topology_max_group_count={self.threads}",
+               f"--benchmark_min_time={min_time}s", "--benchmark_format=json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            bench = json.loads(proc.stdout[proc.stdout.index("{"):])["benchmarks"][0]
+        except (ValueError, KeyError, IndexError):
+            raise DsaError(self.where, f"iree-benchmark-module failed: {proc.stderr.strip()[-300:]}",
+                           f"reproduce with: {' '.join(cmd)}") from None
+        unit = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[bench.get("time_unit", "ns")]
+        return float(bench["real_time"]) * unit
+
+    def rounds(self, names: Sequence[str], rounds: int, min_time: float, seed: int) -> Dict[str, dict]:
+        """Each name's times and its median ratio to "default" (timed in every round, in a shuffled order)."""
+        order = ["default"] + [n for n in names if n != "default"]
+        times: Dict[str, List[float]] = {n: [] for n in order}
+        rng = random.Random(seed)
+        for _ in range(rounds):
+            shuffled = list(order)
+            rng.shuffle(shuffled)
+            for n in shuffled:
+                times[n].append(self.time_us(n, min_time))
+        base = times["default"]
+        return {n: {"us": statistics.median(t), "min_us": min(t),
+                    "ratio": statistics.median(x / b for x, b in zip(t, base))} for n, t in times.items()}
+
+
+def tune_dispatch(configured: str, root: dict, work: Path, *, driver: str, vector_registers: int, rounds: int,
+                  min_time: float, keep_below: float, where: str, log, threads: int = 1) -> dict:
+    """Searches one dispatch; returns its evidence row (with "chosen" when a candidate won)."""
+    bench = Bench(configured, root["lowering_config"], work, driver, where, threads)
+    if not bench.compile("default", root["lowering_config"]):
+        return {"skipped": f"IREE's own configuration does not compile standalone: {bench.failed['default']}"}
+    stage1 = [(n, c) for n, c in conv_candidates(root["op"], root["lowering_config"], vector_registers)
+              if bench.compile(n, c)]
+    configs = dict(stage1, default=root["lowering_config"])
+    first = bench.rounds([n for n, _ in stage1], max(2, rounds // 2), min_time, seed=1)
+    ranked = sorted((n for n in first if n != "default"), key=lambda n: first[n]["ratio"])
+    stage2 = []
+    for best in ranked[:2]:
+        for n, c in distribution_candidates(root["op"], configs[best]):
+            name = f"{best}_{n}"
+            if bench.compile(name, c):
+                configs[name] = c
+                stage2.append(name)
+    second = bench.rounds(ranked[:4] + stage2, max(2, rounds // 2), min_time, seed=2)
+    finalists = sorted((n for n in second if n != "default"), key=lambda n: second[n]["ratio"])[:3]
+    final = bench.rounds(finalists, rounds, min_time, seed=3)
+    best = min(finalists, key=lambda n: final[n]["ratio"]) if finalists else None
+    row = {"default_config": root["lowering_config"], "default_us": final["default"]["us"],
+           "candidates": len(configs) - 1 + len(bench.failed), "failed_to_compile": len(bench.failed),
+           "finalists": [{"name": n, "config": configs[n], "us": final[n]["us"], "ratio": final[n]["ratio"]}
+                         for n in finalists]}
+    # Kept only when faster both ways: the median of its per-round ratios to IREE's (robust to a machine that
+    # drifts) and its median time against IREE's median time (robust to one lucky round).
+    if best is not None and final[best]["ratio"] <= keep_below and \
+            final[best]["us"] <= keep_below * final["default"]["us"]:
+        row.update(chosen=best, chosen_config=configs[best], chosen_us=final[best]["us"],
+                   ratio=final[best]["ratio"])
+    else:
+        row["kept_default"] = (f"no candidate's median time was at most {keep_below} of IREE's (best: {best}, "
+                               f"ratio {final[best]['ratio']:.2f}, {final[best]['us'] / 1e3:.2f} ms)"
+                               if best else "no candidate compiled")
+    log(f"  default {row['default_us'] / 1e3:.2f} ms; " + (
+        f"chosen {best} {row['chosen_us'] / 1e3:.2f} ms ({row['ratio']:.2f}x)" if "chosen" in row
+        else row["kept_default"]))
+    for name in list(bench.modules.values()):
+        name.unlink(missing_ok=True)
+    return row
+
+
+# -- the whole model --------------------------------------------------------------------------------------------
+
+
+def _input_flags(profile_dir: Path, profile: dict) -> List[str]:
+    flags = []
+    for i, (name, value) in enumerate(profile["inputs"].items()):
+        path = profile_dir / f"input{i}_{name}.npy"
+        if path.is_file():
+            flags.append(f"--input=@{path}")
+        elif isinstance(value, (int, float)):
+            flags.append(f"--input={value}")
+        else:
+            raise DsaError(str(profile_dir), f"has no {path.name} (the profile's input '{name}')",
+                           "profile again with --keep DIR")
+    return flags
+
+
+def model_check(vmfbs: Dict[str, Path], params: Path, inputs: List[str], driver: str, rounds: int,
+                work: Path, where: str) -> dict:
+    """Outputs of the untuned and tuned modules compared, and both timed in alternating rounds."""
+    import numpy as np
+
+    from dsa.stages.export import PARAMETER_SCOPE
+    from dsa.tools.profiler.runner import runtime_tool_path
+
+    common = [f"--device={driver}", f"--parameters={PARAMETER_SCOPE}={params}", "--function=main", *inputs]
+    outputs = {}
+    for name, vmfb in vmfbs.items():
+        out = work / f"{name}_out.npy"
+        proc = subprocess.run([runtime_tool_path("iree-run-module"), f"--module={vmfb}", *common,
+                               f"--output=@{out}"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise DsaError(where, f"the {name} module does not run: {proc.stderr.strip()[-300:]}")
+        outputs[name] = np.load(out)
+    ref, got = outputs["untuned"].astype(np.float64), outputs["tuned"].astype(np.float64)
+    diff = float(np.max(np.abs(got - ref) / np.maximum(1.0, np.abs(ref)))) if ref.size else 0.0
+    times: Dict[str, List[float]] = {n: [] for n in vmfbs}
+    for r in range(rounds):
+        for name in (list(vmfbs) if r % 2 == 0 else list(reversed(list(vmfbs)))):
+            proc = subprocess.run([runtime_tool_path("iree-benchmark-module"), f"--module={vmfbs[name]}", *common,
+                                   "--benchmark_min_time=5x", "--benchmark_format=json"],
+                                  capture_output=True, text=True)
+            bench = json.loads(proc.stdout[proc.stdout.index("{"):])["benchmarks"][0]
+            unit = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[bench.get("time_unit", "ns")]
+            times[name].append(float(bench["real_time"]) * unit)
+    return {"max_rel_diff": diff, "parity": diff <= PARITY_TOLERANCE,
+            "untuned_ms": statistics.median(times["untuned"]), "tuned_ms": statistics.median(times["tuned"]),
+            "ratio": statistics.median(t / u for t, u in zip(times["tuned"], times["untuned"]))}
+
+
+# -- the command --------------------------------------------------------------------------------------------------
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _vector_registers(configured: str) -> int:
+    size = re.search(r"native_vector_size = (\d+)", configured)
+    return 32 if size and int(size.group(1)) >= 64 else 16
+
+
+def entry_name(function: str) -> str:
+    """conv_512x15x20x512x3x3_f32 from main$async_dispatch_35_conv_512x15x20x512x3x3_f32."""
+    m = re.match(r".*?dispatch_\d+_(.+)$", function)
+    name = re.sub(r"[^A-Za-z0-9_]", "_", m.group(1) if m else function)
+    return name if re.match(r"[A-Za-z]", name) else f"d_{name}"
+
+
+def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path], top: int, rounds: int,
+         min_time: float, keep_below: float, keep: Optional[Path], threads: int = 1,
+         tuning_file: Optional[Path] = None, log=print) -> dict:
+    where = str(profile_dir)
+    profile_path = profile_dir / "profile.json"
+    for needed in (profile_path, profile_dir / "model.mlir", profile_dir / "executable_sources.mlir"):
+        if not needed.is_file():
+            raise DsaError(where, f"has no {needed.name}",
+                           "profile first: dsa profile ... --keep DIR --json DIR/profile.json")
+    profile = read_json(profile_path)
+    params = params or profile_dir / "params.irpa"
+    if not params.is_file():
+        raise DsaError(str(params), "no parameter archive", "pass the model's built .irpa with --params")
+    flags = list(profile["flags"])
+    driver = "local-task"
+    with tempfile.TemporaryDirectory(prefix="dsa-tune-dispatches-") as tmp:
+        work = keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        bench_dir = work / "benchmarks"
+        untuned = work / "untuned.vmfb"
+        log(f"compiling {profile['model_id']} for {profile['target']} with its executables' benchmarks")
+        run_iree_compile(profile_dir / "executable_sources.mlir",
+                         flags + ["--compile-from=executable-sources",
+                                  f"--iree-hal-dump-executable-benchmarks-to={bench_dir}"], untuned, where)
+        sources = (profile_dir / "executable_sources.mlir").read_text()
+        rows, skipped, entries, seen = [], [], [], {}
+        dispatches = sorted(profile["dispatches"], key=lambda d: -d["total_ms"])
+        for d in dispatches[:top]:
+            function = d["name"]
+            m = re.match(r"(.*?(?:_dispatch|_encoding)_\d+)", function)
+            executable = m.group(1) if m else function
+            prefix = f"module_{executable}_"
+            bench_files = sorted(f for f in bench_dir.glob(f"{prefix}*_benchmark.mlir")
+                                 if not f.name[len(prefix):][:1].isdigit())
+            if not bench_files:
+                skipped.append({"dispatch": function, "why": "IREE wrote no standalone benchmark for it"})
+                continue
+            standalone = work / f"{executable}.mlir"
+            standalone.write_text(standalone_benchmark(bench_files[0].read_text(), sources, executable))
+            configured_path = work / f"{executable}.configured.mlir"
+            run_iree_compile(standalone, [f"--compile-to={dispatch_spec.CONFIGURED_PHASE}"], configured_path, where)
+            configured = configured_path.read_text()
+            roots = dispatch_spec.configured_root_ops(configured)
+            if len(roots) != 1 or conv_shape(roots[0]["op"]) is None:
+                skipped.append({"dispatch": function, "profile_ms": d["total_ms"],
+                                "why": "its root op is not a data-tiled convolution (the kind this tuner tiles)"
+                                if len(roots) == 1 else f"{len(roots)} root ops"})
+                continue
+            key = re.sub(r"%[\w#:]+", "%", dispatch_spec.dag_pattern(roots[0]["op"]))  # without SSA names
+            if key in seen:
+                seen[key]["dispatches"].append(function)
+                seen[key]["profile_ms"] += d["total_ms"]
+                continue
+            log(f"{function}: {d['total_ms']:.1f} ms per model call ({d['count']:g} calls)")
+            work_d = work / executable
+            work_d.mkdir(exist_ok=True)
+            row = {"entry": entry_name(function), "dispatches": [function], "profile_ms": d["total_ms"]}
+            row.update(tune_dispatch(configured, roots[0], work_d, driver=driver,
+                                     vector_registers=_vector_registers(configured), rounds=rounds,
+                                     min_time=min_time, keep_below=keep_below, where=f"{where}: {function}",
+                                     log=log, threads=threads))
+            seen[key] = row
+            rows.append(row)
+            if "chosen" in row:
+                entries.append({"name": row["entry"], "op": roots[0]["op"], "lowering_config": row["chosen_config"]})
+        result = {"format": EVIDENCE_FORMAT, "model_id": profile["model_id"], "target": profile["target"],
+                  "bucket": profile.get("bucket"), "flags": flags, "cpu": _cpu_name(),
+                  "iree_base_compiler": _compiler_version(), "rounds": rounds, "keep_below": keep_below,
+                  "dispatch_threads": threads, "min_workgroups": MIN_WORKGROUPS,
+                  "model_timing": "whole model: iree-benchmark-module, the runtime's default threads, 5 calls per "
+                                  "timing, untuned and tuned alternating, median of the per-round ratios",
+                  "dispatches": rows, "skipped": skipped}
+        if not entries:
+            result["model"] = None
+            log("no dispatch got faster than IREE's configuration: no spec written")
+            write_json_atomic(evidence, result)
+            return result
+        bucket = profile.get("bucket")
+        where_tuned = f"{bucket['dim']}={bucket['size']}" if bucket else "its only shape"
+        header = [f"Dispatch spec of {profile['model_id']} ({where_tuned}) for {profile['target']}, "
+                  f"written by `dsa tune-dispatches`; evidence in {evidence.name}.",
+                  "Each entry matches a dispatch's root op as IREE configures it and sets the measured lowering_config."]
+        spec_tmp = work / out.name
+        dispatch_spec.write_spec_file(spec_tmp, entries, header)
+        tuned = work / "tuned.vmfb"
+        counts = dispatch_spec.compile_with_spec(
+            profile_dir / "executable_sources.mlir", flags, spec_tmp, tuned, where,
+            lambda m, f, o: run_iree_compile(m, f, o, where), start_flags=["--compile-from=executable-sources"])
+        unmatched = [n for n, c in counts.items() if not c]
+        if unmatched:
+            raise DsaError(where, f"the spec's entries {', '.join(unmatched)} match no op of the whole model",
+                           "a bug of the tuner: the standalone benchmark configured the op otherwise")
+        check = model_check({"untuned": untuned, "tuned": tuned}, params, _input_flags(profile_dir, profile), driver,
+                            max(2 * rounds, 10), work, where)
+        result["model"] = dict(check, matched=counts)
+        if not check["parity"]:
+            write_json_atomic(evidence, result)
+            raise DsaError(where, f"the tuned module's outputs differ from the untuned one's by "
+                                  f"{check['max_rel_diff']:.2e} (more than {PARITY_TOLERANCE})",
+                           f"no spec written; evidence in {evidence}")
+        # Slower only when both say so: the median of the per-round ratios and the ratio of the medians (on a
+        # 2-core VM a whole call varies ±10% run to run; either statistic alone flips on one noisy round).
+        if check["ratio"] > 1.0 and check["tuned_ms"] > check["untuned_ms"]:
+            write_json_atomic(evidence, result)
+            raise DsaError(where, f"the whole model is not faster with the spec ({check['untuned_ms']:.1f} → "
+                                  f"{check['tuned_ms']:.1f} ms, median ratio {check['ratio']:.2f})",
+                           f"no spec written (a busy machine? measure again on a quiet one); evidence in {evidence}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(spec_tmp.read_text())
+        write_json_atomic(evidence, result)
+        pin = {"file": out.name, "sha256": sha256_file(out)}
+        if tuning_file is not None:  # the tuning file pins its spec (dsa.stages.compile.dispatch_spec_path)
+            write_json_atomic(tuning_file, dict(read_json(tuning_file), dispatch_spec=pin))
+            log(f"pinned it in {tuning_file}")
+        else:
+            log(f'pin it in the tuning file: "dispatch_spec": {json.dumps(pin)}')
+        log(f"whole model: {check['untuned_ms']:.1f} → {check['tuned_ms']:.1f} ms ({check['ratio']:.2f}x), outputs "
+            f"within {check['max_rel_diff']:.1e}; wrote {out} and {evidence}")
+        return result
+
+
+def _compiler_version() -> str:
+    from importlib import metadata
+
+    return metadata.version("iree-base-compiler")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="dsa tune-dispatches", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile-dir", required=True,
+                        help="a `dsa profile ... --keep DIR --json DIR/profile.json` directory")
+    parser.add_argument("--params", help="the model's .irpa (default: DIR/params.irpa)")
+    parser.add_argument("--out", required=True, help="the spec to write (toolchains/tuning/<family>.<target>.spec.mlir)")
+    parser.add_argument("--evidence", help="default: the spec's name with .evidence.json")
+    parser.add_argument("--top", type=int, default=12, help="how many of the profile's heaviest dispatches to try")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--min-time", type=float, default=0.2, help="seconds per timing of a standalone dispatch")
+    parser.add_argument("--keep-below", type=float, default=0.9,
+                        help="keep a candidate whose median time is at most this fraction of IREE's")
+    parser.add_argument("--threads", type=int, default=1, help="threads a standalone dispatch is timed with")
+    parser.add_argument("--tuning", help="the tuning file to pin the spec in (its dispatch_spec field)")
+    parser.add_argument("--keep", help="keep the work directory here")
+    a = parser.parse_args(argv)
+    out = Path(a.out)
+    if not out.name.endswith(".spec.mlir"):
+        raise DsaError(a.out, "a dispatch spec is named <family>.<target>.spec.mlir")
+    evidence = Path(a.evidence) if a.evidence else out.with_name(out.name[:-len(".spec.mlir")] + ".spec.evidence.json")
+    tune(Path(a.profile_dir), out, evidence, params=Path(a.params) if a.params else None, top=a.top, rounds=a.rounds,
+         min_time=a.min_time, keep_below=a.keep_below, keep=Path(a.keep) if a.keep else None, threads=a.threads,
+         tuning_file=Path(a.tuning) if a.tuning else None)
+
+
+if __name__ == "__main__":
+    run_cli(main, "dsa tune-dispatches")

@@ -1,0 +1,297 @@
+"""Dispatch specs (dsa/stages/dispatch_spec.py) and their tuner (dsa/tools/dispatch_tune.py), with the real
+iree-compile, iree-opt and IREE runtime on a small data-tiled convolution: an entry sets the tiles of the op it
+was written for and of no other, the tuned module computes what the untuned one does, an entry that matches
+nothing is reported, and bad specs or tuning files are refused naming the file and field."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsa.core.errors import DsaError
+from dsa.core.fileio import sha256_file
+from dsa.stages import dispatch_spec
+from dsa.stages.compile import (REPRODUCIBILITY_FLAGS, compile_module, dispatch_spec_path, load_tuning,
+                                run_iree_compile, target_flags)
+from dsa.tools import dispatch_tune
+from dsa.tools.testing import runfile
+
+CONV = """
+func.func @main(%x: tensor<1x{c}x{h2}x{w2}xf32>, %w: tensor<{c}x{c}x3x3xf32>) -> tensor<1x{c}x{h}x{w}xf32> {{
+  %zero = arith.constant 0.0 : f32
+  %empty = tensor.empty() : tensor<1x{c}x{h}x{w}xf32>
+  %init = linalg.fill ins(%zero : f32) outs(%empty : tensor<1x{c}x{h}x{w}xf32>) -> tensor<1x{c}x{h}x{w}xf32>
+  %y = linalg.conv_2d_nchw_fchw {{dilations = dense<1> : tensor<2xi64>, strides = dense<1> : tensor<2xi64>}}
+      ins(%x, %w : tensor<1x{c}x{h2}x{w2}xf32>, tensor<{c}x{c}x3x3xf32>)
+      outs(%init : tensor<1x{c}x{h}x{w}xf32>) -> tensor<1x{c}x{h}x{w}xf32>
+  return %y : tensor<1x{c}x{h}x{w}xf32>
+}}
+"""
+
+
+def conv_mlir(tmp_path: Path, c=32, h=10, w=20) -> Path:
+    path = tmp_path / f"conv_{c}x{h}x{w}.mlir"
+    path.write_text(CONV.format(c=c, h=h, w=w, h2=h + 2, w2=w + 2))
+    return path
+
+
+def flags():
+    """The x86-64-v4 target with resnet_policy's tuning for it: IREE 3.13 data-tiles convolutions for AVX-512
+    only (its Mmt4dTilingExpert convolution, the op the tuner tiles). Compiling needs no AVX-512; running does."""
+    target = json.loads(runfile("toolchains/targets/x86_64-v4.json").read_text())
+    tuning = json.loads(runfile("toolchains/tuning/resnet_policy.x86_64-v4.json").read_text())
+    return ["--iree-input-type=none", *target_flags(target, "test"), *tuning["flags"], *REPRODUCIBILITY_FLAGS]
+
+
+def compile_(mlir, extra, out):
+    run_iree_compile(mlir, [*flags(), *extra], out, "test")
+
+
+def configured_root(tmp_path: Path, mlir: Path) -> dict:
+    out = tmp_path / (mlir.stem + ".configured.mlir")
+    compile_(mlir, [f"--compile-to={dispatch_spec.CONFIGURED_PHASE}"], out)
+    roots = [r for r in dispatch_spec.configured_root_ops(out.read_text()) if dispatch_tune.conv_shape(r["op"])]
+    assert len(roots) == 1, [r["op"][:100] for r in roots]
+    return roots[0]
+
+
+def other_config(root: dict) -> str:
+    """A register tile that is not IREE's: the first candidate the tuner would try."""
+    candidates = dispatch_tune.conv_candidates(root["op"], root["lowering_config"], vector_registers=32)
+    assert candidates, "the tuner found nothing to try for a data-tiled convolution"
+    return candidates[0][1]
+
+
+def avx512_host() -> bool:
+    from dsa.runtime import host
+
+    return host.runs_here(json.loads(runfile("toolchains/targets/x86_64-v4.json").read_text()))
+
+
+def run(vmfb: Path, x, w):
+    import iree.runtime as rt
+
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb.read_bytes()))
+    return np.asarray(ctx.modules.module.main(x, w))
+
+
+def reference(x, w):
+    import numpy as np
+
+    c, h, wd = w.shape[0], x.shape[2] - 2, x.shape[3] - 2
+    out = np.zeros((1, c, h, wd), np.float64)
+    for i in range(3):
+        for j in range(3):
+            out[0] += np.einsum("chw,oc->ohw", x[0, :, i:i + h, j:j + wd], w[:, :, i, j])
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec_case(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spec")
+    mlir = conv_mlir(tmp)
+    root = configured_root(tmp, mlir)
+    config = other_config(root)
+    spec = tmp / "resnet_policy.x86_64-v4.spec.mlir"
+    dispatch_spec.write_spec_file(spec, [{"name": "conv_32x10x20x32x3x3_f32", "op": root["op"],
+                                          "lowering_config": config}], ["test spec"])
+    return tmp, mlir, root, config, spec
+
+
+def test_spec_entry_sets_its_tiles_on_the_convolution_it_was_written_for(spec_case):
+    tmp, mlir, root, config, spec = spec_case
+    assert dispatch_spec.spec_entries(spec) == ["conv_32x10x20x32x3x3_f32"]
+    configured = tmp / "c.mlir"
+    compile_(mlir, [f"--compile-to={dispatch_spec.CONFIGURED_PHASE}"], configured)
+    tuned = tmp / "t.mlir"
+    counts = dispatch_spec.apply_spec(configured, spec, tuned, "test")
+    assert counts == {"conv_32x10x20x32x3x3_f32": 1}
+    text = tuned.read_text()
+    assert dispatch_tune.parse_config(config) != dispatch_tune.parse_config(root["lowering_config"])
+    after = [r for r in dispatch_spec.configured_root_ops(text) if dispatch_tune.conv_shape(r["op"])]
+    assert [dispatch_tune.parse_config(r["lowering_config"]) for r in after] == [dispatch_tune.parse_config(config)]
+
+
+def test_tuned_module_computes_what_the_untuned_one_does(spec_case):
+    tmp, mlir, _, _, spec = spec_case
+    untuned, tuned = tmp / "untuned.vmfb", tmp / "tuned.vmfb"
+    compile_(mlir, [], untuned)
+    counts = dispatch_spec.compile_with_spec(mlir, flags(), spec, tuned, "test",
+                                             lambda m, f, o: run_iree_compile(m, f, o, "test"))
+    assert counts == {"conv_32x10x20x32x3x3_f32": 1}
+    assert sha256_file(untuned) != sha256_file(tuned)  # another code generation, not the same module again
+    again = tmp / "tuned_again.vmfb"
+    dispatch_spec.compile_with_spec(mlir, flags(), spec, again, "test",
+                                    lambda m, f, o: run_iree_compile(m, f, o, "test"))
+    assert sha256_file(again) == sha256_file(tuned)  # deterministic
+    if not avx512_host():
+        pytest.skip("the modules are compiled for x86-64-v4 (IREE data-tiles convolutions for AVX-512 only); "
+                    "this CPU cannot run them")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 32, 12, 22)).astype(np.float32)
+    w = rng.standard_normal((32, 32, 3, 3)).astype(np.float32)
+    ref = reference(x, w)
+    for vmfb in (untuned, tuned):
+        got = run(vmfb, x, w)
+        assert np.max(np.abs(got - ref) / np.maximum(1.0, np.abs(ref))) < 1e-4, vmfb.name
+
+
+def test_entry_for_another_shape_matches_nothing_and_the_report_says_so(spec_case, tmp_path, capsys):
+    _, _, _, _, spec = spec_case
+    other = conv_mlir(tmp_path, c=32, h=12, w=16)  # another convolution: the entry must not touch it
+    configured = tmp_path / "c.mlir"
+    compile_(other, [f"--compile-to={dispatch_spec.CONFIGURED_PHASE}"], configured)
+    assert dispatch_spec.apply_spec(configured, spec, tmp_path / "t.mlir", "test") == {
+        "conv_32x10x20x32x3x3_f32": 0}
+    target = json.loads(runfile("toolchains/targets/x86_64-v4.json").read_text())
+    tuning_dir = tmp_path / "tuning"
+    tuning_dir.mkdir()
+    shutil.copy(spec, tuning_dir / spec.name)
+    tuning = json.loads(runfile("toolchains/tuning/resnet_policy.x86_64-v4.json").read_text())
+    tuning["dispatch_spec"] = {"file": spec.name, "sha256": sha256_file(spec)}
+    (tuning_dir / "resnet_policy.x86_64-v4.json").write_text(json.dumps(tuning))
+    loaded = load_tuning(tuning_dir / "resnet_policy.x86_64-v4.json")
+    view = {"model_id": "conv", "target": "x86_64-v4", "quant_scheme": {"kind": "none"}, "input_type": "none"}
+    report = compile_module(other, view, target, tmp_path / "m.vmfb", where="conv", tuning=loaded)
+    assert report["dispatch_spec"] == {"file": spec.name, "sha256": sha256_file(spec), "matched": {},
+                                       "unmatched": ["conv_32x10x20x32x3x3_f32"]}
+    err = capsys.readouterr().err
+    assert "1 of 1 entries match no dispatch of this module (conv_32x10x20x32x3x3_f32)" in err
+
+
+def test_tuning_file_pins_its_spec_by_name_and_digest(spec_case, tmp_path):
+    _, _, _, _, spec = spec_case
+    shutil.copy(spec, tmp_path / spec.name)
+    tuning = json.loads(runfile("toolchains/tuning/resnet_policy.x86_64-v4.json").read_text())
+    path = tmp_path / "resnet_policy.x86_64-v4.json"
+
+    def refused(field, message):
+        path.write_text(json.dumps(dict(tuning, dispatch_spec=field)))
+        with pytest.raises(DsaError) as e:
+            load_tuning(path)
+        assert message in str(e.value) and str(path) in str(e.value), str(e.value)
+        return str(e.value)
+
+    good = {"file": spec.name, "sha256": sha256_file(spec)}
+    path.write_text(json.dumps(dict(tuning, dispatch_spec=good)))
+    assert dispatch_spec_path(json.loads(path.read_text()), path, "t") == tmp_path / spec.name
+    assert load_tuning(path)["dispatch_spec_path"] == str(tmp_path / spec.name)
+    assert "dispatch_spec.sha256" in refused(dict(good, sha256="0" * 64), "the tuning file pins")
+    assert "dispatch_spec.file" in refused(dict(good, file="other.spec.mlir"), "resnet_policy.x86_64-v4.spec.mlir")
+    refused({"file": spec.name}, 'is not {"file"')
+    refused(dict(good, sha256="x"), "not a sha256")
+    (tmp_path / spec.name).unlink()
+    refused(good, "which is not beside")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("module {}", "@__dsa_tune"),
+    ("transform.named_sequence @__dsa_tune(", "no @match_<name> entry"),
+    ("transform.named_sequence @__dsa_tune(\ntransform.named_sequence @match_a(\ntransform.named_sequence @match_a(",
+     "entry 'a' is defined twice"),
+])
+def test_files_that_are_not_dispatch_specs_are_refused_naming_them(tmp_path, text, message):
+    spec = tmp_path / "x.spec.mlir"
+    spec.write_text(text)
+    with pytest.raises(DsaError) as e:
+        dispatch_spec.spec_entries(spec)
+    assert message in str(e.value) and str(spec) in str(e.value)
+
+
+def test_spec_that_is_not_valid_mlir_fails_the_compile_and_leaves_no_module(spec_case, tmp_path):
+    _, mlir, _, _, spec = spec_case
+    broken = tmp_path / "broken.spec.mlir"
+    broken.write_text(spec.read_text().replace("transform.foreach_match", "transform.no_such_op", 1))
+    target = json.loads(runfile("toolchains/targets/x86_64-v4.json").read_text())
+    view = {"model_id": "conv", "target": "x86_64-v4", "quant_scheme": {"kind": "none"}, "input_type": "none"}
+    out = tmp_path / "m.vmfb"
+    with pytest.raises(DsaError) as e:
+        compile_module(mlir, view, target, out, where="conv", dispatch_spec=broken)
+    assert "dispatch spec broken.spec.mlir" in str(e.value) and "iree-opt could not apply it" in str(e.value)
+    assert not out.exists() and not list(tmp_path.glob(".m.vmfb*"))
+    (tmp_path / "bin.spec.mlir").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(DsaError, match="not UTF-8"):
+        dispatch_spec.spec_entries(tmp_path / "bin.spec.mlir")
+
+
+def test_tuner_reads_the_data_tiled_convolution_and_names_its_entries(spec_case):
+    _, _, root, _, _ = spec_case
+    assert dispatch_tune.conv_shape(root["op"]) == {"n": 1, "oc_o": 2, "oh": 10, "ow": 20, "oc_i": 16}
+    fields = dispatch_tune.parse_config(root["lowering_config"])
+    assert dispatch_tune.parse_config(dispatch_tune.format_config(fields)) == fields
+    for registers in (16, 32):
+        candidates = dispatch_tune.conv_candidates(root["op"], root["lowering_config"], vector_registers=registers)
+        assert candidates
+        for name, config in candidates:
+            vcp = dispatch_tune.parse_config(config)["vector_common_parallel"]
+            assert 4 <= vcp[1] * vcp[2] * vcp[3] <= registers - 4, name  # the accumulators fit the registers
+    assert dispatch_tune.entry_name("main$async_dispatch_35_conv_512x15x20x512x3x3_f32") == \
+        "conv_512x15x20x512x3x3_f32"
+    assert dispatch_tune.conv_shape("%1 = linalg.matmul ins(%a, %b : tensor<4x4xf32>)") is None
+
+
+def test_standalone_benchmark_takes_the_executable_from_the_sources():
+    bench = "module {\n  util.global private @d\n  hal.executable private @e1 {\n    configured\n  }\n  util.func @bench\n}"
+    sources = "module {\n  hal.executable private @e0 {\n  }\n  hal.executable private @e1 {\n    source\n  } loc(x)\n}"
+    out = dispatch_tune.standalone_benchmark(bench, sources, "e1")
+    assert "source" in out and "configured" not in out and "util.func @bench" in out and "@e0" not in out
+    with pytest.raises(DsaError, match="no executable @e2"):
+        dispatch_tune.standalone_benchmark(bench, sources, "e2")
+
+
+def test_tuner_end_to_end_writes_a_spec_that_matches_and_pins_it_or_says_why_not(tmp_path):
+    """`dsa tune-dispatches` on a profile directory of a one-convolution model: every dispatch it tries has
+    evidence; a spec, when one is written, matches the whole model, is pinned in the tuning file, and compiles;
+    when none is, the evidence says why (timings decide which: both outcomes are correct, neither is silent)."""
+    if not avx512_host():
+        pytest.skip("the tuner times x86-64-v4 modules (IREE data-tiles convolutions for AVX-512 only)")
+    import subprocess
+
+    from dsa.tools.profiler.runner import runtime_tool_path
+
+    profile_dir = tmp_path / "profile"
+    profile_dir.mkdir()
+    mlir = conv_mlir(profile_dir, c=64, h=16, w=20)
+    (profile_dir / "model.mlir").write_text(mlir.read_text())
+    compile_(profile_dir / "model.mlir", ["--compile-to=executable-sources"], profile_dir / "executable_sources.mlir")
+    functions = [l.split("@", 1)[1].split("(")[0] for l in
+                 (profile_dir / "executable_sources.mlir").read_text().splitlines() if "func.func @" in l]
+    rng = np.random.default_rng(0)
+    np.save(profile_dir / "input0_x.npy", rng.standard_normal((1, 64, 18, 22)).astype(np.float32))
+    np.save(profile_dir / "input1_w.npy", rng.standard_normal((64, 64, 3, 3)).astype(np.float32))
+    (profile_dir / "profile.json").write_text(json.dumps({
+        "model_id": "conv", "target": "x86_64-v4", "bucket": None, "flags": flags(),
+        "inputs": {"x": [1, 64, 18, 22], "w": [64, 64, 3, 3]},
+        "dispatches": [{"name": f, "total_ms": 1.0, "count": 1} for f in functions]}))
+    params = tmp_path / "params.irpa"
+    subprocess.run([runtime_tool_path("iree-create-parameters"), "--data=unused=4xf32", f"--output={params}"],
+                   check=True, capture_output=True)
+    tuning = tmp_path / "resnet_policy.x86_64-v4.json"
+    shutil.copy(runfile("toolchains/tuning/resnet_policy.x86_64-v4.json"), tuning)
+    tuning.write_text(json.dumps({k: v for k, v in json.loads(tuning.read_text()).items() if k != "dispatch_spec"}))
+    out = tmp_path / "resnet_policy.x86_64-v4.spec.mlir"
+    evidence = tmp_path / "resnet_policy.x86_64-v4.spec.evidence.json"
+    try:
+        result = dispatch_tune.tune(profile_dir, out, evidence, params=params, top=4, rounds=2, min_time=0.05,
+                                    keep_below=0.9, keep=None, tuning_file=tuning, log=lambda _: None)
+    except DsaError as e:  # the whole model measured slower with the spec: refused, nothing written, evidence kept
+        assert "not faster with the spec" in str(e) and not out.exists()
+        result = json.loads(evidence.read_text())
+    assert json.loads(evidence.read_text()) == json.loads(json.dumps(result))
+    rows = result["dispatches"]
+    assert len(rows) == 1 and rows[0]["entry"] == "conv_64x16x20x64x3x3_f32"  # one convolution: one row
+    assert rows[0]["candidates"] > 0 and rows[0]["finalists"]
+    assert ("chosen" in rows[0]) != ("kept_default" in rows[0])
+    if out.exists():
+        assert result["model"]["parity"] and result["model"]["matched"] == {rows[0]["entry"]: 1}
+        pinned = load_tuning(tuning)
+        assert pinned["dispatch_spec"] == {"file": out.name, "sha256": sha256_file(out)}
+        counts = dispatch_spec.compile_with_spec(mlir, flags(), out, tmp_path / "m.vmfb", "test",
+                                                 lambda m, f, o: run_iree_compile(m, f, o, "test"))
+        assert counts == {rows[0]["entry"]: 1}
+    else:
+        assert "dispatch_spec" not in json.loads(tuning.read_text())
