@@ -24,6 +24,7 @@ from dsa.core.fileio import atomic_output, read_json, sha256_file
 from dsa.core.formats import REPORT_FORMAT, TUNING_FORMAT, CompileReport
 from dsa.core.runtime_flags import merge_runtime_flags, runtime_flag_values
 from dsa.manifest.contract import ManifestError, check_precision_for_target
+from dsa.stages import dispatch_spec as specs
 from dsa.stages.compile_flags import check_target_flags, check_tuning_flags
 from dsa.stages.iree_tools import first_error_line, iree_compile_path  # noqa: F401 (part of this module's API)
 
@@ -234,12 +235,15 @@ def compile_module(
     *,
     where: str = "compile",
     tuning: Optional[dict] = None,
-    dispatch_spec: Optional[Path] = None,
 ) -> dict:
-    """Compiles `mlir`; `dispatch_spec` (what `dispatch_spec_path` gives for the tuning file) is applied
-    between configuration and code generation (dsa/stages/dispatch_spec.py)."""
+    """Compiles `mlir`. A tuning file's dispatch spec (found and checked by `load_tuning`) is applied between
+    configuration and code generation (dsa/stages/dispatch_spec.py)."""
     flags = compile_flags(view, target, where, tuning)
-    if dispatch_spec is None and tuning is not None and tuning.get(SPEC_PATH_KEY):
+    dispatch_spec = None
+    if tuning is not None and "dispatch_spec" in tuning:
+        if not tuning.get(SPEC_PATH_KEY):  # never compiled without the spec its tuning file names
+            raise DsaError(where, "the tuning names a dispatch_spec but was not read with load_tuning, which finds "
+                           "the spec", "read tuning files with dsa.stages.compile.load_tuning")
         dispatch_spec = Path(tuning[SPEC_PATH_KEY])
     spec_counts = None
     with tempfile.TemporaryDirectory(prefix="dsa-compile-") as tmp:
@@ -250,8 +254,6 @@ def compile_module(
             if dispatch_spec is None:
                 run_iree_compile(mlir, flags + stats_flags, tmp_vmfb, where, view)
             else:
-                from dsa.stages import dispatch_spec as specs
-
                 spec_counts = specs.compile_with_spec(
                     mlir, flags, dispatch_spec, tmp_vmfb, where,
                     lambda m, f, o: run_iree_compile(m, f, o, where, view), start_flags=stats_flags)
@@ -274,8 +276,6 @@ def compile_module(
         "iree_base_compiler": _compiler_version(),
     }
     if spec_counts is not None:
-        from dsa.stages import dispatch_spec as specs
-
         report["dispatch_spec"] = specs.spec_report(dispatch_spec, spec_counts)
         unmatched = report["dispatch_spec"]["unmatched"]
         if unmatched:  # said, not hidden: the module keeps IREE's own configuration for these

@@ -209,10 +209,17 @@ def test_spec_that_is_not_valid_mlir_fails_the_compile_and_leaves_no_module(spec
     target = json.loads(runfile("toolchains/targets/x86_64-v4.json").read_text())
     view = {"model_id": "conv", "target": "x86_64-v4", "quant_scheme": {"kind": "none"}, "input_type": "none"}
     out = tmp_path / "m.vmfb"
+    tuning = json.loads(runfile("toolchains/tuning/resnet_policy.x86_64-v4.json").read_text())
+    broken = broken.rename(tmp_path / "resnet_policy.x86_64-v4.spec.mlir")
+    tuning["dispatch_spec"] = {"file": broken.name, "sha256": sha256_file(broken)}
+    (tmp_path / "resnet_policy.x86_64-v4.json").write_text(json.dumps(tuning))
     with pytest.raises(DsaError) as e:
-        compile_module(mlir, view, target, out, where="conv", dispatch_spec=broken)
-    assert "dispatch spec broken.spec.mlir" in str(e.value) and "iree-opt could not apply it" in str(e.value)
+        compile_module(mlir, view, target, out, where="conv",
+                       tuning=load_tuning(tmp_path / "resnet_policy.x86_64-v4.json"))
+    assert "dispatch spec resnet_policy.x86_64-v4.spec.mlir" in str(e.value) and "iree-opt could not apply it" in str(e.value)
     assert not out.exists() and not list(tmp_path.glob(".m.vmfb*"))
+    with pytest.raises(DsaError, match="not read with load_tuning"):  # read as plain JSON: refused, not ignored
+        compile_module(mlir, view, target, out, where="conv", tuning=tuning)
     (tmp_path / "bin.spec.mlir").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(DsaError, match="not UTF-8"):
         dispatch_spec.spec_entries(tmp_path / "bin.spec.mlir")
