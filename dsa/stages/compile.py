@@ -183,7 +183,7 @@ def compile_flags(view: dict, target: dict, where: str, tuning: Optional[dict] =
             *manifest_flags(view, target), *REPRODUCIBILITY_FLAGS]
 
 
-def _compiler_version() -> str:
+def compiler_version() -> str:
     from importlib import metadata
 
     return metadata.version("iree-base-compiler")
@@ -273,7 +273,7 @@ def compile_module(
         "mlir_sha256": sha256_file(mlir),
         "vmfb_sha256": vmfb_sha,
         "vmfb_bytes": vmfb_size,
-        "iree_base_compiler": _compiler_version(),
+        "iree_base_compiler": compiler_version(),
     }
     if spec_counts is not None:
         report["dispatch_spec"] = specs.spec_report(dispatch_spec, spec_counts)

@@ -239,11 +239,6 @@ def configured_root_ops(configured_text: str) -> List[dict]:
     return out
 
 
-def with_config(op_text: str, config: str) -> str:
-    """`op_text` with its CPU lowering_config replaced by `config`."""
-    return _CPU_CONFIG.sub(config, op_text, count=1)
-
-
 def write_spec_file(path: Path, entries: Sequence[dict], header: Sequence[str] = ()) -> None:
     with atomic_output(path) as tmp:
         tmp.write_text(write_spec(entries, header))

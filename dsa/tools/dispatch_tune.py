@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import re
 import statistics
@@ -36,7 +34,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from dsa.core.errors import DsaError, run_cli
 from dsa.core.fileio import read_json, sha256_file, write_json_atomic
 from dsa.stages import dispatch_spec
-from dsa.stages.compile import run_iree_compile
+from dsa.runtime.host import host_cpu_model
+from dsa.stages.compile import compiler_version, run_iree_compile
 from dsa.stages.iree_tools import iree_compile_path
 
 EVIDENCE_FORMAT = 1
@@ -317,16 +316,6 @@ def model_check(vmfbs: Dict[str, Path], params: Path, inputs: List[str], driver:
 # -- the command --------------------------------------------------------------------------------------------------
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _vector_registers(configured: str) -> int:
     size = re.search(r"native_vector_size = (\d+)", configured)
     return 32 if size and int(size.group(1)) >= 64 else 16
@@ -405,8 +394,8 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
             if "chosen" in row:
                 entries.append({"name": row["entry"], "op": roots[0]["op"], "lowering_config": row["chosen_config"]})
         result = {"format": EVIDENCE_FORMAT, "model_id": profile["model_id"], "target": profile["target"],
-                  "bucket": profile.get("bucket"), "flags": flags, "cpu": _cpu_name(),
-                  "iree_base_compiler": _compiler_version(), "rounds": rounds, "keep_below": keep_below,
+                  "bucket": profile.get("bucket"), "flags": flags, "cpu": host_cpu_model(),
+                  "iree_base_compiler": compiler_version(), "rounds": rounds, "keep_below": keep_below,
                   "dispatch_threads": threads, "min_workgroups": MIN_WORKGROUPS,
                   "model_timing": "whole model: iree-benchmark-module, the runtime's default threads, 5 calls per "
                                   "timing, untuned and tuned alternating, median of the per-round ratios",
@@ -458,12 +447,6 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
         log(f"whole model: {check['untuned_ms']:.1f} → {check['tuned_ms']:.1f} ms ({check['ratio']:.2f}x), outputs "
             f"within {check['max_rel_diff']:.1e}; wrote {out} and {evidence}")
         return result
-
-
-def _compiler_version() -> str:
-    from importlib import metadata
-
-    return metadata.version("iree-base-compiler")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
