@@ -236,8 +236,9 @@ def compile_module(
     where: str = "compile",
     tuning: Optional[dict] = None,
 ) -> dict:
-    """Compiles `mlir`. A tuning file's dispatch spec (found and checked by `load_tuning`) is applied between
-    configuration and code generation (dsa/stages/dispatch_spec.py)."""
+    """Compiles `mlir`. A tuning file's dispatch spec (found and checked by `load_tuning`) is applied after
+    input conversion (its rewrites) and between configuration and code generation (its tile sizes):
+    dsa/stages/dispatch_spec.py."""
     flags = compile_flags(view, target, where, tuning)
     dispatch_spec = None
     if tuning is not None and "dispatch_spec" in tuning:

@@ -16,6 +16,16 @@ transform interpreter, then `iree-compile --compile-from=executable-configuratio
 entry includes IREE's default configuration in its pattern: when a new compiler configures the op otherwise,
 the entry stops matching and says so (the compile report's `dispatch_spec.unmatched`) instead of overriding a
 decision it was never measured against.
+
+A spec may also hold rewrites chosen per op before IREE's own pipeline: `@rewrite_<name>` sequences applied by
+`@__dsa_preprocess` to the IR after input conversion (`--compile-to=input`). Today's one rewrite is Winograd: an
+entry matches a 3×3 `linalg.conv_2d_nchw_fchw` by its weight type, and only when the convolution's init is a
+zero fill (IREE 3.13's Winograd conversion drops the init: a bias there would be lost; dsa/stages/passes.py's
+`split_conv_bias` makes biased convolutions such convolutions), marks it `__winograd_conv` and
+`dsa.rewritten = "<name>"`, and `iree-linalg-ext-convert-conv2d-to-winograd` converts the marked ones. The compile
+then goes on with `--compile-from=input`. The choice is per weight shape because it is measured per shape: on
+AVX2, F(6×6, 3×3) beats im2col + matmul for 64- and 128-channel convolutions and loses beyond (toolchains/
+tuning/README.md).
 """
 
 from __future__ import annotations
@@ -33,10 +43,17 @@ from dsa.stages.iree_tools import first_error_line, iree_compile_path
 ENTRY_POINT = "__dsa_tune"
 TUNED_ATTR = "dsa.tuned"
 CONFIGURED_PHASE = "executable-configurations"
+PREPROCESS_ENTRY_POINT = "__dsa_preprocess"
+REWRITTEN_ATTR = "dsa.rewritten"
+INPUT_PHASE = "input"
+# The rewrites a `@rewrite_<name>` entry may ask for: the marker IREE's pass reads, and that pass.
+REWRITES = {"winograd": ("__winograd_conv", "iree-linalg-ext-convert-conv2d-to-winograd")}
 # An entry's name: what `dsa profile` calls the dispatch's op (conv_512x15x20x512x3x3_f32), made a symbol.
 ENTRY_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,127}")
 _MATCH_SEQUENCE = re.compile(r"transform\.named_sequence @match_([A-Za-z0-9_]+)\(")
+_REWRITE_SEQUENCE = re.compile(r"transform\.named_sequence @rewrite_([A-Za-z0-9_]+)\(")
 _TUNED = re.compile(re.escape(TUNED_ATTR) + r' = "([A-Za-z0-9_]+)"')
+_REWRITTEN = re.compile(re.escape(REWRITTEN_ATTR) + r' = "([A-Za-z0-9_]+)"')
 _CPU_CONFIG = re.compile(r"#iree_cpu\.lowering_config<[^<>]*>")
 MAX_SPEC_BYTES = 8 << 20
 
@@ -50,10 +67,7 @@ def iree_opt_path() -> str:
 # -- reading a spec ------------------------------------------------------------------------------------------
 
 
-def spec_entries(spec: Path, where: Optional[str] = None) -> List[str]:
-    """The entry names of a dispatch spec, in order; refuses a file that is not one (too large, not text, no
-    entry point, no entry, an entry twice) naming it. Whether the MLIR parses is iree-opt's to say (apply)."""
-    where = where or str(spec)
+def _spec_text(spec: Path, where: str) -> str:
     hint = "write it with `dsa tune-dispatches` (docs/performance.md, \"Dispatch tuning\")"
     if not spec.is_file():
         raise DsaError(where, "no such dispatch spec", hint)
@@ -61,60 +75,138 @@ def spec_entries(spec: Path, where: Optional[str] = None) -> List[str]:
         raise DsaError(where, f"is {spec.stat().st_size} bytes, more than a dispatch spec holds "
                               f"({MAX_SPEC_BYTES})", hint)
     try:
-        text = spec.read_text(encoding="utf-8")
+        return spec.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise DsaError(where, "is not UTF-8 text (a dispatch spec is MLIR text)", hint) from None
-    if f"@{ENTRY_POINT}(" not in text:
-        raise DsaError(where, f"has no transform sequence @{ENTRY_POINT} (the entry point the compile applies)",
-                       hint)
-    names = _MATCH_SEQUENCE.findall(text)
-    if not names:
-        raise DsaError(where, "has no @match_<name> entry", hint)
+
+
+def spec_parts(spec: Path, where: Optional[str] = None) -> Dict[str, List[str]]:
+    """The entry names of a dispatch spec by the phase that applies them, in order: {"preprocess": the
+    `@rewrite_<name>` entries of `@__dsa_preprocess`, "tune": the `@match_<name>` entries of `@__dsa_tune`}
+    (either may be empty, not both). Refuses a file that is not one (too large, not text, no entry point, an
+    entry point without entries or entries without theirs, a name twice) naming it. Whether the MLIR parses is
+    iree-opt's to say (apply)."""
+    where = where or str(spec)
+    hint = "write it with `dsa tune-dispatches` (docs/performance.md, \"Dispatch tuning\")"
+    text = _spec_text(spec, where)
+    parts = {"preprocess": _REWRITE_SEQUENCE.findall(text), "tune": _MATCH_SEQUENCE.findall(text)}
+    points = {"preprocess": PREPROCESS_ENTRY_POINT, "tune": ENTRY_POINT}
+    for part, point in points.items():
+        has_point = f"@{point}(" in text
+        if parts[part] and not has_point:
+            raise DsaError(where, f"has {part} entries but no transform sequence @{point} (the entry point the "
+                                  "compile applies)", hint)
+        if has_point and not parts[part]:
+            raise DsaError(where, f"has @{point} but no {'@rewrite_' if part == 'preprocess' else '@match_'}"
+                                  "<name> entry", hint)
+    if not any(parts.values()):
+        raise DsaError(where, f"has no transform sequence @{ENTRY_POINT} or @{PREPROCESS_ENTRY_POINT} (the entry "
+                              "points the compile applies)", hint)
     seen = set()
-    for name in names:
+    for name in parts["preprocess"] + parts["tune"]:
         if name in seen:
             raise DsaError(where, f"entry '{name}' is defined twice", hint)
         seen.add(name)
-    return names
+    return parts
+
+
+def spec_entries(spec: Path, where: Optional[str] = None) -> List[str]:
+    """Every entry name of a dispatch spec: its preprocess entries, then its tune entries (spec_parts)."""
+    parts = spec_parts(spec, where)
+    return parts["preprocess"] + parts["tune"]
 
 
 # -- applying a spec -----------------------------------------------------------------------------------------
 
 
-def apply_spec(configured: Path, spec: Path, out: Path, where: str) -> Dict[str, int]:
-    """Applies `spec` to IR compiled to executable-configurations; writes the result to `out`. Returns each
-    entry's count of matched ops (0 for an entry that matched none)."""
-    names = spec_entries(spec, f"{where}: dispatch spec {spec.name}")
+def _run_transform(ir: Path, spec: Path, entry_point: str, out: Path, where: str, local_scope: bool,
+                   debuginfo: bool = False) -> None:
+    """iree-opt's transform interpreter at `entry_point`; `local_scope` prints attributes in place (the tune
+    entries' counting and the tuner read configurations by line; it would drop a resource blob section)."""
     pipeline = (f"builtin.module(transform-preload-library{{transform-library-paths={spec}}},"
-                f"transform-interpreter{{entry-point={ENTRY_POINT}}})")
-    proc = subprocess.run([iree_opt_path(), str(configured), f"--pass-pipeline={pipeline}", "--mlir-print-local-scope",
-                           "-o", str(out)],
+                f"transform-interpreter{{entry-point={entry_point}}})")
+    proc = subprocess.run([iree_opt_path(), str(ir), f"--pass-pipeline={pipeline}",
+                           *(["--mlir-print-local-scope"] if local_scope else []),
+                           *(["--mlir-print-debuginfo"] if debuginfo else []), "-o", str(out)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise DsaError(f"{where}: dispatch spec {spec.name}",
                        f"iree-opt could not apply it: {first_error_line(proc.stderr).strip()[:300]}",
                        "the spec is not a transform library this compiler reads: write it again with "
                        "`dsa tune-dispatches`")
+
+
+def _count(path: Path, pattern: "re.Pattern[str]", names: Sequence[str]) -> Dict[str, int]:
     counts = {name: 0 for name in names}
-    with out.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8") as f:
         for line in f:
-            for name in _TUNED.findall(line):
+            for name in pattern.findall(line):
                 if name in counts:
                     counts[name] += 1
     return counts
 
 
+def apply_spec(configured: Path, spec: Path, out: Path, where: str) -> Dict[str, int]:
+    """Applies `spec`'s tune entries to IR compiled to executable-configurations; writes the result to `out`.
+    Returns each entry's count of matched ops (0 for an entry that matched none)."""
+    names = spec_parts(spec, f"{where}: dispatch spec {spec.name}")["tune"]
+    _run_transform(configured, spec, ENTRY_POINT, out, where, local_scope=True)
+    return _count(out, _TUNED, names)
+
+
+def apply_preprocess(input_ir: Path, spec: Path, out: Path, where: str, debuginfo: bool = False) -> Dict[str, int]:
+    """Applies `spec`'s preprocess entries to IR compiled to the input phase, then the rewrites they marked
+    (REWRITES); writes the result to `out`. Returns each entry's count of matched ops. `debuginfo` keeps the
+    ops' source locations in the IR written (the profiler maps dispatches to source ops by them)."""
+    names = spec_parts(spec, f"{where}: dispatch spec {spec.name}")["preprocess"]
+    marked = out.with_name(out.name + ".marked.mlir")
+    _run_transform(input_ir, spec, PREPROCESS_ENTRY_POINT, marked, where, local_scope=False, debuginfo=debuginfo)
+    counts = _count(marked, _REWRITTEN, names)
+    passes = ",".join(p for _, p in REWRITES.values())
+    proc = subprocess.run([iree_opt_path(), str(marked), f"--pass-pipeline=builtin.module(util.func({passes}))",
+                           *(["--mlir-print-debuginfo"] if debuginfo else []), "-o", str(out)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DsaError(f"{where}: dispatch spec {spec.name}",
+                       f"iree-opt could not rewrite the marked ops: {first_error_line(proc.stderr).strip()[:300]}",
+                       "remove the entries of ops this compiler cannot rewrite from the spec")
+    return counts
+
+
+def preprocess(mlir: Path, flags: Sequence[str], spec: Path, work: Path, where: str, run_compile,
+               debuginfo: bool = False) -> Tuple[Path, List[str], Dict[str, int]]:
+    """`mlir` with the spec's preprocess entries applied: compiled to the input phase (in `work`) and the marked
+    ops rewritten. Returns (the IR to compile on, the flags that resume from it, each entry's match count); when
+    the spec has no preprocess entry, (`mlir`, no flag, no count)."""
+    if not spec_parts(spec, f"{where}: dispatch spec {spec.name}")["preprocess"]:
+        return mlir, [], {}
+    input_ir, rewritten = work / "input.mlir", work / "rewritten.mlir"
+    run_compile(mlir, [*flags, f"--compile-to={INPUT_PHASE}", *(["--mlir-print-debuginfo"] if debuginfo else [])],
+                input_ir)
+    counts = apply_preprocess(input_ir, spec, rewritten, where, debuginfo)
+    return rewritten, [f"--compile-from={INPUT_PHASE}"], counts
+
+
 def compile_with_spec(mlir: Path, flags: Sequence[str], spec: Path, out: Path, where: str,
-                      run_compile, start_flags: Sequence[str] = ()) -> Dict[str, int]:
-    """iree-compile in two phases around the spec (see the module's doc). `run_compile(mlir, flags, out)`
-    runs iree-compile and raises on failure; `start_flags` go to the first phase only (a --compile-from of
-    executable sources). Returns each entry's match count."""
+                      run_compile, start_flags: Sequence[str] = (), preprocessed: bool = False) -> Dict[str, int]:
+    """iree-compile in phases around the spec (see the module's doc): to the input phase and the preprocess
+    entries, when the spec has any (and `mlir` is not `preprocessed` already: executable sources); to
+    executable-configurations and the tune entries, when it has any; then to the end. `run_compile(mlir, flags,
+    out)` runs iree-compile and raises on failure; `start_flags` go to the compile that leaves the input phase
+    (statistics; a --compile-from of executable sources). Returns each entry's match count."""
+    parts = spec_parts(spec, f"{where}: dispatch spec {spec.name}")
     with tempfile.TemporaryDirectory(prefix="dsa-dispatch-spec-") as tmp:
-        configured = Path(tmp) / "configured.mlir"
-        tuned = Path(tmp) / "tuned.mlir"
-        run_compile(mlir, [*flags, *start_flags, f"--compile-to={CONFIGURED_PHASE}"], configured)
-        counts = apply_spec(configured, spec, tuned, where)
-        run_compile(tuned, [*flags, f"--compile-from={CONFIGURED_PHASE}"], out)
+        source, resume, counts = mlir, [], {}
+        if not preprocessed:
+            source, resume, counts = preprocess(mlir, flags, spec, Path(tmp), where, run_compile)
+        if parts["tune"]:
+            configured = Path(tmp) / "configured.mlir"
+            tuned = Path(tmp) / "tuned.mlir"
+            run_compile(source, [*flags, *resume, *start_flags, f"--compile-to={CONFIGURED_PHASE}"], configured)
+            counts.update(apply_spec(configured, spec, tuned, where))
+            run_compile(tuned, [*flags, f"--compile-from={CONFIGURED_PHASE}"], out)
+        else:
+            run_compile(source, [*flags, *resume, *start_flags], out)
     return counts
 
 
@@ -183,12 +275,16 @@ def dag_pattern(op_text: str) -> str:
     return f"    ^bb0({', '.join(args)}):\n{body}"
 
 
-def write_spec(entries: Sequence[dict], header: Sequence[str] = ()) -> str:
+def write_spec(entries: Sequence[dict], header: Sequence[str] = (), rewrites: Sequence[dict] = ()) -> str:
     """A dispatch spec: `entries` of {"name", "op" (the root op as configured, with IREE's lowering_config),
-    "lowering_config" (the one to set)}."""
+    "lowering_config" (the one to set)}; `rewrites` of {"name", "rewrite" (a REWRITES key), "weight" (the
+    3×3 convolution's weight type, e.g. tensor<64x64x3x3xf32>)}."""
     lines = [f"// {h}" for h in header]
-    lines += ["module @dsa_dispatch_spec attributes { transform.with_named_sequence } {",
-              "  transform.named_sequence @dsa_set_config(%op: !transform.any_op {transform.readonly},",
+    lines += ["module @dsa_dispatch_spec attributes { transform.with_named_sequence } {"]
+    lines += _rewrite_lines(rewrites)
+    if not entries:
+        return "\n".join(lines + ["}"]) + "\n"
+    lines += ["  transform.named_sequence @dsa_set_config(%op: !transform.any_op {transform.readonly},",
               "      %config: !transform.any_param {transform.readonly}, %name: !transform.any_param {transform.readonly}) {",
               '    transform.annotate %op "lowering_config" = %config : !transform.any_op, !transform.any_param',
               f'    transform.annotate %op "{TUNED_ATTR}" = %name : !transform.any_op, !transform.any_param',
@@ -217,6 +313,53 @@ def write_spec(entries: Sequence[dict], header: Sequence[str] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rewrite_lines(rewrites: Sequence[dict]) -> List[str]:
+    """The `@rewrite_<name>` entries and `@__dsa_preprocess` of a spec (none when `rewrites` is empty)."""
+    if not rewrites:
+        return []
+    lines = []
+    for kind, (marker, _) in REWRITES.items():
+        lines += [f"  transform.named_sequence @dsa_{kind}(%op: !transform.any_op {{transform.readonly}},",
+                  "      %name: !transform.any_param {transform.readonly}) {",
+                  f'    transform.annotate %op "{marker}" : !transform.any_op',
+                  f'    transform.annotate %op "{REWRITTEN_ATTR}" = %name : !transform.any_op, !transform.any_param',
+                  "    transform.yield",
+                  "  }"]
+    for r in rewrites:
+        if not ENTRY_NAME.fullmatch(r["name"]):
+            raise DsaError("dispatch spec", f"entry name {r['name']!r} is not a symbol")
+        if r["rewrite"] not in REWRITES:
+            raise DsaError("dispatch spec", f"entry {r['name']}: unknown rewrite {r['rewrite']!r}",
+                           f"known: {', '.join(REWRITES)}")
+        if not re.fullmatch(r"tensor<\d+x\d+x3x3xf32>", r["weight"]):
+            raise DsaError("dispatch spec", f"entry {r['name']}: weight {r['weight']!r} is not a 3×3 "
+                                            "convolution's weight type (tensor<OxIx3x3xf32>)")
+        lines += [
+            f"  transform.named_sequence @rewrite_{r['name']}(%op: !transform.any_op {{transform.readonly}})",
+            "      -> (!transform.any_op, !transform.any_param) {",
+            '    transform.match.operation_name %op ["linalg.conv_2d_nchw_fchw"] : !transform.any_op',
+            "    %w = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value",
+            f"    transform.iree.match.cast_compatible_type %w = {r['weight']} : !transform.any_value",
+            "    // Only a convolution into a zero fill: the rewrite drops the init (a bias there would be lost).",
+            "    %init = transform.get_producer_of_operand %op[2] : (!transform.any_op) -> !transform.any_op",
+            "    %fill_ins, %fill_outs = transform.iree.match.cast_compatible_dag_from_root %init {",
+            "    ^bb0(%a: tensor<?x?x?x?xf32>):",
+            "      %zero = arith.constant 0.000000e+00 : f32",
+            "      %f = linalg.fill ins(%zero : f32) outs(%a : tensor<?x?x?x?xf32>) -> tensor<?x?x?x?xf32>",
+            "    } : (!transform.any_op) -> (!transform.any_value, !transform.any_value)",
+            f'    %name = transform.param.constant "{r["name"]}" -> !transform.any_param',
+            "    transform.yield %op, %name : !transform.any_op, !transform.any_param",
+            "  }"]
+    matches = ",\n        ".join(f"@rewrite_{r['name']} -> @dsa_{r['rewrite']}" for r in rewrites)
+    lines += [f"  transform.named_sequence @{PREPROCESS_ENTRY_POINT}(",
+              "      %root: !transform.any_op {transform.consumed}) {",
+              f"    %res = transform.foreach_match in %root\n        {matches}",
+              "      : (!transform.any_op) -> !transform.any_op",
+              "    transform.yield",
+              "  }"]
+    return lines
+
+
 def configured_root_ops(configured_text: str) -> List[dict]:
     """The root ops of IR compiled to executable-configurations: every op IREE gave a CPU lowering_config with
     `distribution` tile sizes (the op the dispatch is tiled around). Each: {"op": its text, attributes
@@ -239,6 +382,7 @@ def configured_root_ops(configured_text: str) -> List[dict]:
     return out
 
 
-def write_spec_file(path: Path, entries: Sequence[dict], header: Sequence[str] = ()) -> None:
+def write_spec_file(path: Path, entries: Sequence[dict], header: Sequence[str] = (),
+                    rewrites: Sequence[dict] = ()) -> None:
     with atomic_output(path) as tmp:
-        tmp.write_text(write_spec(entries, header))
+        tmp.write_text(write_spec(entries, header, rewrites))

@@ -35,7 +35,8 @@ from dsa.core.errors import DsaError
 from dsa.stages.fx_graph import PassGraph, node_val
 from dsa.stages.rewrites_attention import attention_to_sdpa, decompose_attention, fence_head_split_projections
 from dsa.stages.rewrites_conv import (
-    conv1d_to_matmul, conv_transpose1d_to_matmul, fold_batchnorm, patchify_conv_to_matmul, stem_conv_to_matmul)
+    conv1d_to_matmul, conv_transpose1d_to_matmul, fold_batchnorm, patchify_conv_to_matmul, split_conv_bias,
+    stem_conv_to_matmul)
 
 aten = torch.ops.aten
 
@@ -95,7 +96,7 @@ class Pass:
 PASSES: Dict[str, Pass] = {
     p.__name__: Pass(p.__name__, p)
     for p in (bool_and_to_logical_and, fold_batchnorm, patchify_conv_to_matmul, stem_conv_to_matmul,
-              conv1d_to_matmul, conv_transpose1d_to_matmul, attention_to_sdpa, decompose_attention,
+              split_conv_bias, conv1d_to_matmul, conv_transpose1d_to_matmul, attention_to_sdpa, decompose_attention,
               fence_head_split_projections)
 }
 
@@ -105,7 +106,8 @@ PASSES: Dict[str, Pass] = {
 # is fast). The others measured faster or equal. Numbers: docs/performance.md, bench/RESULTS.md.
 DEFAULT_PASSES: Tuple[str, ...] = (
     "bool_and_to_logical_and", "fold_batchnorm", "patchify_conv_to_matmul", "stem_conv_to_matmul",
-    "conv1d_to_matmul", "conv_transpose1d_to_matmul", "decompose_attention", "fence_head_split_projections",
+    "split_conv_bias", "conv1d_to_matmul", "conv_transpose1d_to_matmul", "decompose_attention",
+    "fence_head_split_projections",
 )
 
 

@@ -1,5 +1,5 @@
 """The convolution rewrites of dsa/stages/passes.py: batch norm folded into its convolution, patchify and stem
-convolutions and 1-D (transposed) convolutions as matmuls."""
+convolutions and 1-D (transposed) convolutions as matmuls, the bias of 3×3 convolutions split off."""
 
 from __future__ import annotations
 
@@ -249,6 +249,46 @@ def stem_conv_to_matmul(g: PassGraph) -> int:
             if bias is not None:
                 out = e(aten.add.Tensor, out, e(aten.reshape.default, bias, [cout, 1]))
             out = e(aten.reshape.default, out, [-1, cout, ho, wo])
+        node.replace_all_uses_with(out)
+        drop_asserts([node], g.graph)
+        g.graph.erase_node(node)
+        count += 1
+    return count
+
+
+# -- 3b'. split_conv_bias -------------------------------------------------------------------------------
+
+
+def split_conv_bias(g: PassGraph) -> int:
+    """2-D 3×3 convolution with stride 1, dilation 1, groups 1 and a bias  ⇒  the convolution without a bias,
+    plus the bias broadcast over [B, Cout, H', W'] (`aten.add` of `bias.reshape(1, Cout, 1, 1)`). Runs after
+    stem_conv_to_matmul (which takes the few-channel ones) and after fold_batchnorm (which gives every
+    batch-normalised convolution a bias).
+
+    Why: these are the convolutions IREE can compute by Winograd (F(6×6, 3×3): `iree-linalg-ext-convert-
+    conv2d-to-winograd`), which a dispatch spec's `@__dsa_preprocess` entries choose per weight shape
+    (dsa/stages/dispatch_spec.py). IREE 3.13's conversion replaces the convolution by transforms around a
+    batch matmul into a zero-filled tensor and drops the convolution's init, where torch-mlir puts the bias:
+    measured on a biased 64-channel 3×3 convolution, every output off by its channel's bias. A spec entry
+    therefore matches only a convolution whose init is a fill, and this rewrite makes ResNet's batch-normalised
+    convolutions (LeRobot ACT) such convolutions. The add is an elementwise consumer that IREE fuses into the
+    convolution's dispatch: the im2col and data-tiled convolution paths run the same work as before."""
+    count = 0
+    for node in list(g.graph.nodes):
+        conv = _dense_conv2d(node)
+        if conv is None:
+            continue
+        a, x, weight, bias, xv = conv
+        if bias is None or tuple(node_val(weight).shape[2:]) != (3, 3):
+            continue
+        pair = lambda v: [int(i) for i in v] * (2 // len(v))  # noqa: E731
+        if isinstance(a["padding"], str) or pair(a["stride"]) != [1, 1] or pair(a["dilation"]) != [1, 1]:
+            continue
+        with g.graph.inserting_before(node):
+            args = dict(a, bias=None)
+            plain = g.emit(node.target, tuple(args.values()), node)
+            shaped = g.emit(aten.reshape.default, (bias, [1, -1, 1, 1]), node)
+            out = g.emit(aten.add.Tensor, (plain, shaped), node)
         node.replace_all_uses_with(out)
         drop_asserts([node], g.graph)
         g.graph.erase_node(node)

@@ -17,6 +17,7 @@
     dsa profile --manifest M ...            the top dispatches, with their source ops and modules
     dsa bench | dsa tune MODEL...           the latency benchmark; measure compile flags for a model family
     dsa tune-dispatches --profile-dir DIR   measure tile sizes of a profile's heaviest dispatches: a dispatch spec
+                                            (--winograd: Winograd or im2col per 3x3 convolution weight shape)
     dsa import-matrix                       the README's import matrix from built models
     dsa scale MANIFEST... | --sweep pi0     real-size models' stages, runtime and eager: time and peak memory
     dsa execlog LOG                         what a build with --execution_log_json_file ran and what hit a cache

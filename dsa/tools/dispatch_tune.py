@@ -17,6 +17,11 @@ most `--keep-below` (default 0.9: the 2-core machines this runs on vary ±10% ru
 agrees. Then the whole model is compiled with the spec: every entry must match, the outputs must equal the
 untuned module's (|x − y| ≤ 2e-4·max(1, |y|), on the profile's inputs), and both are timed. Nothing is written
 unless all of that holds; the evidence file records every dispatch measured, what was chosen and why.
+
+`--winograd` searches another decision, made before configuration: for each weight shape of the model's 3×3
+stride-1 convolutions, IREE's lowering (x86-64-v3: im2col + data-tiled matmul) against Winograd F(6×6, 3×3),
+each compiled standalone and timed the same way; the winners become the spec's preprocess entries
+(dsa/stages/dispatch_spec.py), under the same whole-model gate.
 """
 
 from __future__ import annotations
@@ -166,9 +171,10 @@ def distribution_candidates(op: str, base: str) -> List[Tuple[str, str]]:
 class Bench:
     """Compiles candidates of one standalone dispatch and times them in alternating rounds."""
 
-    def __init__(self, configured: str, root_config: str, work: Path, driver: str, where: str, threads: int = 1):
+    def __init__(self, configured: str, root_config: str, work: Path, driver: str, where: str, threads: int = 1,
+                 inputs: Sequence[str] = ()):
         self.configured, self.root_config, self.work, self.driver, self.where = configured, root_config, work, driver, where
-        self.threads = threads
+        self.threads, self.inputs = threads, list(inputs)
         self.modules: Dict[str, Path] = {}
         self.failed: Dict[str, str] = {}
 
@@ -194,7 +200,8 @@ class Bench:
 
         cmd = [runtime_tool_path("iree-benchmark-module"), f"--module={self.modules[name]}",
                f"--device={self.driver}", f"--task_topology_max_group_count={self.threads}",
-               f"--benchmark_min_time={min_time}s", "--benchmark_format=json"]
+               f"--benchmark_min_time={min_time}s", "--benchmark_format=json",
+               *(["--function=main", *self.inputs] if self.inputs else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         try:
             bench = json.loads(proc.stdout[proc.stdout.index("{"):])["benchmarks"][0]
@@ -260,6 +267,95 @@ def tune_dispatch(configured: str, root: dict, work: Path, *, driver: str, vecto
         else row["kept_default"]))
     for name in list(bench.modules.values()):
         name.unlink(missing_ok=True)
+    return row
+
+
+# -- Winograd per weight shape (a spec's preprocess entries) ----------------------------------------------------
+
+_STRIDE1_CONV3X3 = re.compile(
+    r"linalg\.conv_2d_nchw_fchw \{dilations = dense<1> : (?:vector|tensor)<2xi64>, strides = dense<1> : "
+    r"(?:vector|tensor)<2xi64>\} ins\(%[^,]+, %[^ ]+ : (tensor<[0-9x]+xf32>), (tensor<(\d+)x(\d+)x3x3xf32>)\) "
+    r"outs\((%[^ ]+) : (tensor<[0-9x]+xf32>)\)")
+
+
+def _zero_fill(input_ir: str, value: str) -> bool:
+    """Whether `value` is defined by a linalg.fill of an arith.constant 0.0 in `input_ir`."""
+    fill = re.search(re.escape(value) + r" = linalg\.fill ins\((%[\w.]+) : f32\)", input_ir)
+    return bool(fill) and re.search(re.escape(fill.group(1)) + r" = arith\.constant 0\.0+e\+00 : f32",
+                                    input_ir) is not None
+
+
+STANDALONE_CONV = """func.func @main(%x: {input}, %w: {weight}) -> {output} {{
+  %zero = arith.constant 0.0 : f32
+  %empty = tensor.empty() : {output}
+  %init = linalg.fill ins(%zero : f32) outs(%empty : {output}) -> {output}
+  %y = linalg.conv_2d_nchw_fchw {{dilations = dense<1> : tensor<2xi64>, strides = dense<1> : tensor<2xi64>}}
+      ins(%x, %w : {input}, {weight}) outs(%init : {output}) -> {output}
+  return %y : {output}
+}}
+"""
+
+
+def winograd_candidates(input_ir: str) -> Tuple[List[dict], List[dict]]:
+    """The convolutions of IR compiled to the input phase that IREE's Winograd conversion takes (3×3, stride 1,
+    dilation 1, f32, static) into a zero fill (what a spec entry matches), one per weight type: {"name",
+    "weight", "input", "output" (the first occurrence's types), "count"}; and those skipped for their init."""
+    out: Dict[str, dict] = {}
+    skipped: Dict[str, dict] = {}
+    # SSA names are scoped by function: each convolution's init is looked up in its own function's text.
+    functions = re.split(r"(?m)^(?=\s*(?:util|func)\.func )", input_ir)
+    for function, m in ((f, m) for f in functions for m in _STRIDE1_CONV3X3.finditer(f)):
+        weight = m.group(2)
+        name = f"conv3x3_{m.group(3)}x{m.group(4)}"
+        if not _zero_fill(function, m.group(5)):
+            skipped.setdefault(weight, {"entry": name, "weight": weight, "convolutions": 0,
+                                        "why": "its init is not a zero fill (a bias: Winograd would drop it; the "
+                                               "default rewrite split_conv_bias splits it off)"})
+            skipped[weight]["convolutions"] += 1
+            continue
+        if weight in out:
+            out[weight]["count"] += 1
+            continue
+        out[weight] = {"name": name, "weight": weight, "input": m.group(1), "output": m.group(6), "count": 1}
+    return list(out.values()), list(skipped.values())
+
+
+def _zeros_flag(tensor_type: str) -> str:
+    return "--input=" + re.fullmatch(r"tensor<([0-9x]+xf32)>", tensor_type).group(1)
+
+
+def tune_winograd(candidate: dict, flags: Sequence[str], work: Path, *, driver: str, rounds: int, min_time: float,
+                  keep_below: float, where: str, log, threads: int = 1) -> dict:
+    """One weight shape's convolution, standalone, as IREE compiles it (`flags`) and by Winograd (a one-entry
+    spec): timed in alternating rounds; returns its evidence row ("chosen" when Winograd won). The weight is an
+    argument, so the Winograd module pays its filter transform every call, as the model's module does."""
+    source = work / f"{candidate['name']}.mlir"
+    source.write_text(STANDALONE_CONV.format(**candidate))
+    spec = work / f"{candidate['name']}.spec.mlir"
+    dispatch_spec.write_spec_file(spec, [], [], [dict(name=candidate["name"], rewrite="winograd",
+                                                      weight=candidate["weight"])])
+    bench = Bench("", "", work, driver, where, threads,
+                  inputs=[_zeros_flag(candidate["input"]), _zeros_flag(candidate["weight"])])
+    flags = ["--iree-input-type=none", *flags]
+    default, winograd = work / f"{candidate['name']}.default.vmfb", work / f"{candidate['name']}.winograd.vmfb"
+    run_iree_compile(source, flags, default, where)
+    counts = dispatch_spec.compile_with_spec(source, flags, spec, winograd, where,
+                                             lambda m, f, o: run_iree_compile(m, f, o, where))
+    if counts != {candidate["name"]: 1}:
+        raise DsaError(where, f"the standalone {candidate['name']} did not take its Winograd entry ({counts})",
+                       "a bug of the tuner: the standalone convolution is not the one the entry matches")
+    bench.modules.update(default=default, winograd=winograd)
+    result = bench.rounds(["winograd"], rounds, min_time, seed=4)
+    row = {"entry": candidate["name"], "weight": candidate["weight"], "input": candidate["input"],
+           "convolutions": candidate["count"], "default_us": result["default"]["us"],
+           "winograd_us": result["winograd"]["us"], "ratio": result["winograd"]["ratio"]}
+    if row["ratio"] <= keep_below and row["winograd_us"] <= keep_below * row["default_us"]:
+        row["chosen"] = "winograd"
+    else:
+        row["kept_default"] = f"Winograd's median time was not at most {keep_below} of IREE's"
+    log(f"{candidate['name']} ({candidate['input']}, {candidate['count']} in the model): im2col "
+        f"{row['default_us'] / 1e3:.2f} ms, Winograd {row['winograd_us'] / 1e3:.2f} ms ({row['ratio']:.2f}x)"
+        + ("" if "chosen" in row else ": kept IREE's"))
     return row
 
 
@@ -332,15 +428,7 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
          min_time: float, keep_below: float, keep: Optional[Path], threads: int = 1,
          tuning_file: Optional[Path] = None, log=print) -> dict:
     where = str(profile_dir)
-    profile_path = profile_dir / "profile.json"
-    for needed in (profile_path, profile_dir / "model.mlir", profile_dir / "executable_sources.mlir"):
-        if not needed.is_file():
-            raise DsaError(where, f"has no {needed.name}",
-                           "profile first: dsa profile ... --keep DIR --json DIR/profile.json")
-    profile = read_json(profile_path)
-    params = params or profile_dir / "params.irpa"
-    if not params.is_file():
-        raise DsaError(str(params), "no parameter archive", "pass the model's built .irpa with --params")
+    profile, params = _read_profile(profile_dir, params)
     flags = list(profile["flags"])
     driver = "local-task"
     with tempfile.TemporaryDirectory(prefix="dsa-tune-dispatches-") as tmp:
@@ -422,31 +510,106 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
                            "a bug of the tuner: the standalone benchmark configured the op otherwise")
         check = model_check({"untuned": untuned, "tuned": tuned}, params, _input_flags(profile_dir, profile), driver,
                             max(2 * rounds, 10), work, where)
-        result["model"] = dict(check, matched=counts)
-        if not check["parity"]:
-            write_json_atomic(evidence, result)
-            raise DsaError(where, f"the tuned module's outputs differ from the untuned one's by "
-                                  f"{check['max_rel_diff']:.2e} (more than {PARITY_TOLERANCE})",
-                           f"no spec written; evidence in {evidence}")
-        # Slower only when both say so: the median of the per-round ratios and the ratio of the medians (on a
-        # 2-core VM a whole call varies ±10% run to run; either statistic alone flips on one noisy round).
-        if check["ratio"] > 1.0 and check["tuned_ms"] > check["untuned_ms"]:
-            write_json_atomic(evidence, result)
-            raise DsaError(where, f"the whole model is not faster with the spec ({check['untuned_ms']:.1f} → "
-                                  f"{check['tuned_ms']:.1f} ms, median ratio {check['ratio']:.2f})",
-                           f"no spec written (a busy machine? measure again on a quiet one); evidence in {evidence}")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(spec_tmp.read_text())
+        return _keep_if_faster(result, check, counts, spec_tmp, out, evidence, tuning_file, where, log)
+
+
+def _read_profile(profile_dir: Path, params: Optional[Path]) -> Tuple[dict, Path]:
+    where = str(profile_dir)
+    profile_path = profile_dir / "profile.json"
+    for needed in (profile_path, profile_dir / "model.mlir", profile_dir / "executable_sources.mlir"):
+        if not needed.is_file():
+            raise DsaError(where, f"has no {needed.name}",
+                           "profile first: dsa profile ... --keep DIR --json DIR/profile.json")
+    params = params or profile_dir / "params.irpa"
+    if not params.is_file():
+        raise DsaError(str(params), "no parameter archive", "pass the model's built .irpa with --params")
+    return read_json(profile_path), params
+
+
+def _keep_if_faster(result: dict, check: dict, counts: Dict[str, int], spec_tmp: Path, out: Path, evidence: Path,
+                    tuning_file: Optional[Path], where: str, log) -> dict:
+    """The whole-model gate: the spec is written (and pinned) only when the module with it computes what the
+    one without does and is not slower; the evidence is written either way."""
+    result["model"] = dict(check, matched=counts)
+    if not check["parity"]:
         write_json_atomic(evidence, result)
-        pin = {"file": out.name, "sha256": sha256_file(out)}
-        if tuning_file is not None:  # the tuning file pins its spec (dsa.stages.compile.dispatch_spec_path)
-            write_json_atomic(tuning_file, dict(read_json(tuning_file), dispatch_spec=pin))
-            log(f"pinned it in {tuning_file}")
-        else:
-            log(f'pin it in the tuning file: "dispatch_spec": {json.dumps(pin)}')
-        log(f"whole model: {check['untuned_ms']:.1f} → {check['tuned_ms']:.1f} ms ({check['ratio']:.2f}x), outputs "
-            f"within {check['max_rel_diff']:.1e}; wrote {out} and {evidence}")
-        return result
+        raise DsaError(where, f"the tuned module's outputs differ from the untuned one's by "
+                              f"{check['max_rel_diff']:.2e} (more than {PARITY_TOLERANCE})",
+                       f"no spec written; evidence in {evidence}")
+    # Slower only when both say so: the median of the per-round ratios and the ratio of the medians (on a
+    # 2-core VM a whole call varies ±10% run to run; either statistic alone flips on one noisy round).
+    if check["ratio"] > 1.0 and check["tuned_ms"] > check["untuned_ms"]:
+        write_json_atomic(evidence, result)
+        raise DsaError(where, f"the whole model is not faster with the spec ({check['untuned_ms']:.1f} → "
+                              f"{check['tuned_ms']:.1f} ms, median ratio {check['ratio']:.2f})",
+                       f"no spec written (a busy machine? measure again on a quiet one); evidence in {evidence}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(spec_tmp.read_text())
+    write_json_atomic(evidence, result)
+    pin = {"file": out.name, "sha256": sha256_file(out)}
+    if tuning_file is not None:  # the tuning file pins its spec (dsa.stages.compile.dispatch_spec_path)
+        write_json_atomic(tuning_file, dict(read_json(tuning_file), dispatch_spec=pin))
+        log(f"pinned it in {tuning_file}")
+    else:
+        log(f'pin it in the tuning file: "dispatch_spec": {json.dumps(pin)}')
+    log(f"whole model: {check['untuned_ms']:.1f} → {check['tuned_ms']:.1f} ms ({check['ratio']:.2f}x), outputs "
+        f"within {check['max_rel_diff']:.1e}; wrote {out} and {evidence}")
+    return result
+
+
+def tune_rewrites(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path], rounds: int,
+                  min_time: float, keep_below: float, keep: Optional[Path], threads: int = 1,
+                  tuning_file: Optional[Path] = None, log=print) -> dict:
+    """`--winograd`: for each weight shape of the model's 3×3 stride-1 convolutions, IREE's own lowering
+    (im2col + data-tiled matmul on x86-64-v3) against Winograd F(6×6, 3×3), standalone; the winners become the
+    spec's preprocess entries, then the same whole-model gate as the tile search."""
+    where = str(profile_dir)
+    profile, params = _read_profile(profile_dir, params)
+    flags = list(profile["flags"])
+    driver = "local-task"
+    model = profile_dir / "model.mlir"
+    with tempfile.TemporaryDirectory(prefix="dsa-tune-rewrites-") as tmp:
+        work = keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        input_ir = work / "input.mlir"
+        run_iree_compile(model, flags + [f"--compile-to={dispatch_spec.INPUT_PHASE}"], input_ir, where)
+        candidates, skipped = winograd_candidates(input_ir.read_text())
+        log(f"{profile['model_id']} for {profile['target']}: {len(candidates)} weight shape(s) of 3×3 stride-1 "
+            "convolutions")
+        rows = [tune_winograd(c, flags, work, driver=driver, rounds=rounds, min_time=min_time,
+                              keep_below=keep_below, where=f"{where}: {c['name']}", log=log, threads=threads)
+                for c in candidates]
+        rewrites = [{"name": r["entry"], "rewrite": "winograd", "weight": r["weight"]} for r in rows if "chosen" in r]
+        result = {"format": EVIDENCE_FORMAT, "model_id": profile["model_id"], "target": profile["target"],
+                  "bucket": profile.get("bucket"), "flags": flags, "cpu": host_cpu_model(),
+                  "iree_base_compiler": compiler_version(), "rounds": rounds, "keep_below": keep_below,
+                  "dispatch_threads": threads,
+                  "model_timing": "whole model: iree-benchmark-module, the runtime's default threads, 5 calls per "
+                                  "timing, without and with the spec alternating, median of the per-round ratios",
+                  "rewrites": rows, "skipped": skipped}
+        if not rewrites:
+            result["model"] = None
+            log("Winograd was faster for no weight shape: no spec written")
+            write_json_atomic(evidence, result)
+            return result
+        header = [f"Dispatch spec of {profile['model_id']} for {profile['target']}, written by "
+                  f"`dsa tune-dispatches --winograd`; evidence in {evidence.name}.",
+                  "Each entry rewrites the 3x3 stride-1 convolutions of its weight shape into a zero fill by "
+                  "Winograd F(6x6, 3x3)."]
+        spec_tmp = work / out.name
+        dispatch_spec.write_spec_file(spec_tmp, [], header, rewrites)
+        untuned, tuned = work / "untuned.vmfb", work / "tuned.vmfb"
+        run_iree_compile(model, flags, untuned, where)
+        counts = dispatch_spec.compile_with_spec(model, flags, spec_tmp, tuned, where,
+                                                 lambda m, f, o: run_iree_compile(m, f, o, where))
+        unmatched = [n for n, c in counts.items() if not c]
+        if unmatched:
+            raise DsaError(where, f"the spec's entries {', '.join(unmatched)} match no convolution of the whole "
+                                  "model (their init is not a zero fill: split the bias off, rewrite split_conv_bias)",
+                           "export the model with the default rewrites")
+        check = model_check({"untuned": untuned, "tuned": tuned}, params, _input_flags(profile_dir, profile), driver,
+                            max(2 * rounds, 10), work, where)
+        return _keep_if_faster(result, check, counts, spec_tmp, out, evidence, tuning_file, where, log)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -464,14 +627,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="threads a standalone dispatch is timed with")
     parser.add_argument("--tuning", help="the tuning file to pin the spec in (its dispatch_spec field)")
     parser.add_argument("--keep", help="keep the work directory here")
+    parser.add_argument("--winograd", action="store_true",
+                        help="instead of tile sizes: Winograd or IREE's lowering, per weight shape of the 3x3 "
+                             "stride-1 convolutions (x86-64-v3, where IREE data-tiles no convolution)")
     a = parser.parse_args(argv)
     out = Path(a.out)
     if not out.name.endswith(".spec.mlir"):
         raise DsaError(a.out, "a dispatch spec is named <family>.<target>.spec.mlir")
     evidence = Path(a.evidence) if a.evidence else out.with_name(out.name[:-len(".spec.mlir")] + ".spec.evidence.json")
-    tune(Path(a.profile_dir), out, evidence, params=Path(a.params) if a.params else None, top=a.top, rounds=a.rounds,
-         min_time=a.min_time, keep_below=a.keep_below, keep=Path(a.keep) if a.keep else None, threads=a.threads,
-         tuning_file=Path(a.tuning) if a.tuning else None)
+    common = dict(params=Path(a.params) if a.params else None, rounds=a.rounds, min_time=a.min_time,
+                  keep_below=a.keep_below, keep=Path(a.keep) if a.keep else None, threads=a.threads,
+                  tuning_file=Path(a.tuning) if a.tuning else None)
+    if a.winograd:
+        tune_rewrites(Path(a.profile_dir), out, evidence, **common)
+    else:
+        tune(Path(a.profile_dir), out, evidence, top=a.top, **common)
 
 
 if __name__ == "__main__":

@@ -94,8 +94,28 @@ def test_every_entry_of_the_dispatch_spec_sets_the_tiles_of_a_batch1_dispatch_of
     assert batch1["dispatch_spec"]["unmatched"] == []
     assert sorted(batch1["dispatch_spec"]["matched"]) == sorted(entries)
     assert batch4["dispatch_spec"]["matched"] == {} and sorted(batch4["dispatch_spec"]["unmatched"]) == sorted(entries)
-    portable = read_json(BUILDS["x86_64-v3"].parent / "act" / "batch_0.compile_report.json")
-    assert "dispatch_spec" not in portable  # the x86_64-v3 tuning names no spec
+
+
+# ResNet-18's 3×3 stride-1 convolutions by weight shape (the stride-2 ones and the stem are not Winograd's).
+RESNET18_STRIDE1_CONV3X3 = {"conv3x3_64x64": 4, "conv3x3_128x128": 3, "conv3x3_256x256": 3, "conv3x3_512x512": 3}
+
+
+def test_the_avx2_build_computes_the_convolutions_its_spec_names_by_winograd_in_every_bucket():
+    """toolchains/tuning/resnet_policy.x86_64-v3.spec.mlir chooses Winograd per weight shape of the 3×3 stride-1
+    convolutions (`dsa tune-dispatches --winograd`); each entry matches every convolution of its shape, whatever
+    the batch. They match only once split_conv_bias has split off the bias that batch-norm folding gave them: a
+    build where they match nothing has lost the rewrite (and the parity tests above check what it computes)."""
+    spec = runfile("toolchains/tuning/resnet_policy.x86_64-v3.spec.mlir")
+    tuning = read_json(runfile("toolchains/tuning/resnet_policy.x86_64-v3.json"))
+    assert tuning["dispatch_spec"] == {"file": spec.name, "sha256": sha256_file(spec)}
+    entries = spec_entries(spec)
+    assert entries and set(entries) <= set(RESNET18_STRIDE1_CONV3X3)
+    index = BUILDS["x86_64-v3"]
+    for vmfb, _ in ModuleIndex.read(index).modules:
+        report = read_json(index.parent / vmfb.replace(".vmfb", ".compile_report.json"))
+        assert report["dispatch_spec"]["unmatched"] == [], vmfb
+        assert report["dispatch_spec"]["matched"] == {e: RESNET18_STRIDE1_CONV3X3[e] for e in entries}, vmfb
+        assert (index.parent / vmfb).read_bytes().count(b"winograd_input_transform") >= len(entries), vmfb
 
 
 @pytest.mark.parametrize("target", sorted(set(BUILDS) - set(RUNNABLE)))

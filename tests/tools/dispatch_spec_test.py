@@ -1,7 +1,8 @@
 """Dispatch specs (dsa/stages/dispatch_spec.py) and their tuner (dsa/tools/dispatch_tune.py), with the real
 iree-compile, iree-opt and IREE runtime on a small data-tiled convolution: an entry sets the tiles of the op it
 was written for and of no other, the tuned module computes what the untuned one does, an entry that matches
-nothing is reported, and bad specs or tuning files are refused naming the file and field."""
+nothing is reported, and bad specs or tuning files are refused naming the file and field; preprocess entries
+choose Winograd per weight shape (x86-64-v3), never for a convolution into a bias."""
 
 import json
 import shutil
@@ -300,5 +301,169 @@ def test_tuner_end_to_end_writes_a_spec_that_matches_and_pins_it_or_says_why_not
         counts = dispatch_spec.compile_with_spec(mlir, flags(), out, tmp_path / "m.vmfb", "test",
                                                  lambda m, f, o: run_iree_compile(m, f, o, "test"))
         assert counts == {rows[0]["entry"]: 1}
+    else:
+        assert "dispatch_spec" not in json.loads(tuning.read_text())
+
+
+# -- preprocess entries: Winograd per weight shape (x86-64-v3) ---------------------------------------------
+
+BIASED_CONV = CONV.replace(
+    "%init = linalg.fill ins(%zero : f32) outs(%empty : tensor<1x{c}x{h}x{w}xf32>) -> tensor<1x{c}x{h}x{w}xf32>",
+    "%b = arith.constant dense<0.5> : tensor<{c}xf32>\n"
+    "  %init = linalg.broadcast ins(%b : tensor<{c}xf32>) outs(%empty : tensor<1x{c}x{h}x{w}xf32>) dimensions = [0, 2, 3]")
+
+
+def v3_case(tmp_path: Path, rewrites):
+    """A tuning directory holding resnet_policy's x86-64-v3 tuning with a spec of `rewrites`."""
+    spec = tmp_path / "resnet_policy.x86_64-v3.spec.mlir"
+    dispatch_spec.write_spec_file(spec, [], ["test spec"], rewrites)
+    tuning = json.loads(runfile("toolchains/tuning/resnet_policy.x86_64-v3.json").read_text())
+    tuning["dispatch_spec"] = {"file": spec.name, "sha256": sha256_file(spec)}
+    path = tmp_path / "resnet_policy.x86_64-v3.json"
+    path.write_text(json.dumps(tuning))
+    target = json.loads(runfile("toolchains/targets/x86_64-v3.json").read_text())
+    view = {"model_id": "conv", "target": "x86_64-v3", "quant_scheme": {"kind": "none"}, "input_type": "none"}
+    return spec, load_tuning(path), target, view
+
+
+def winograd(name, c):
+    return {"name": name, "rewrite": "winograd", "weight": f"tensor<{c}x{c}x3x3xf32>"}
+
+
+def test_winograd_entry_rewrites_the_convolution_of_its_weight_shape_and_computes_the_same(tmp_path, capsys):
+    mlir = conv_mlir(tmp_path, c=32, h=14, w=20)
+    spec, tuning, target, view = v3_case(tmp_path, [winograd("conv3x3_32x32", 32), winograd("conv3x3_64x64", 64)])
+    assert dispatch_spec.spec_parts(spec) == {"preprocess": ["conv3x3_32x32", "conv3x3_64x64"], "tune": []}
+    out = tmp_path / "w.vmfb"
+    report = compile_module(mlir, view, target, out, where="conv", tuning=tuning)
+    assert report["dispatch_spec"]["matched"] == {"conv3x3_32x32": 1}
+    assert report["dispatch_spec"]["unmatched"] == ["conv3x3_64x64"]
+    assert "1 of 2 entries match no dispatch of this module (conv3x3_64x64)" in capsys.readouterr().err
+    assert out.read_bytes().count(b"winograd_input_transform") > 0
+    again = tmp_path / "again"
+    again.mkdir()
+    compile_module(mlir, view, target, again / "w.vmfb", where="conv", tuning=tuning)
+    assert sha256_file(again / "w.vmfb") == sha256_file(out)  # deterministic
+    from dsa.runtime import host
+
+    if not host.runs_here(target):
+        pytest.skip("this CPU cannot run x86-64-v3 modules")
+    # Weights scaled as a trained network's (fan-in): Winograd's rounding grows with the terms' magnitudes.
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 32, 16, 22)).astype(np.float32)
+    w = (rng.standard_normal((32, 32, 3, 3)) / np.sqrt(32 * 9)).astype(np.float32)
+    ref = reference(x, w)
+    got = run(out, x, w)
+    assert np.max(np.abs(got - ref) / np.maximum(1.0, np.abs(ref))) < 2e-4  # the parity bound of every policy
+
+
+def test_winograd_entry_leaves_a_convolution_into_a_bias_alone(tmp_path):
+    """IREE's Winograd conversion drops the convolution's init: an entry must not match one that holds a bias."""
+    mlir = tmp_path / "biased.mlir"
+    mlir.write_text(BIASED_CONV.format(c=32, h=14, w=20, h2=16, w2=22))
+    _, tuning, target, view = v3_case(tmp_path, [winograd("conv3x3_32x32", 32)])
+    out = tmp_path / "b.vmfb"
+    report = compile_module(mlir, view, target, out, where="conv", tuning=tuning)
+    assert report["dispatch_spec"]["matched"] == {} and report["dispatch_spec"]["unmatched"] == ["conv3x3_32x32"]
+    assert b"winograd_input_transform" not in out.read_bytes()
+    from dsa.runtime import host
+
+    if host.runs_here(target):
+        rng = np.random.default_rng(1)
+        x = rng.standard_normal((1, 32, 16, 22)).astype(np.float32)
+        w = rng.standard_normal((32, 32, 3, 3)).astype(np.float32)
+        ref = reference(x, w) + 0.5
+        assert np.max(np.abs(run(out, x, w) - ref) / np.maximum(1.0, np.abs(ref))) < 2e-4
+
+
+@pytest.mark.parametrize("rewrite, message", [
+    (dict(winograd("a", 32), weight="tensor<32x32x5x5xf32>"), "is not a 3×3 convolution's weight type"),
+    (dict(winograd("a", 32), rewrite="fft"), "unknown rewrite 'fft'"),
+    (dict(winograd("a b", 32)), "is not a symbol"),
+])
+def test_preprocess_entries_that_cannot_be_written_are_refused_naming_them(rewrite, message):
+    with pytest.raises(DsaError, match=message):
+        dispatch_spec.write_spec([], [], [rewrite])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("transform.named_sequence @rewrite_a(", "has preprocess entries but no transform sequence @__dsa_preprocess"),
+    ("transform.named_sequence @__dsa_preprocess(", "has @__dsa_preprocess but no @rewrite_<name> entry"),
+    ("transform.named_sequence @__dsa_preprocess(\ntransform.named_sequence @__dsa_tune(\n"
+     "transform.named_sequence @rewrite_a(\ntransform.named_sequence @match_a(", "entry 'a' is defined twice"),
+])
+def test_specs_with_broken_preprocess_parts_are_refused_naming_them(tmp_path, text, message):
+    spec = tmp_path / "x.spec.mlir"
+    spec.write_text(text)
+    with pytest.raises(DsaError) as e:
+        dispatch_spec.spec_parts(spec)
+    assert message in str(e.value) and str(spec) in str(e.value)
+
+
+def v3_flags():
+    target = json.loads(runfile("toolchains/targets/x86_64-v3.json").read_text())
+    tuning = json.loads(runfile("toolchains/tuning/resnet_policy.x86_64-v3.json").read_text())
+    return ["--iree-input-type=none", *target_flags(target, "test"), *tuning["flags"], *REPRODUCIBILITY_FLAGS]
+
+
+def test_tuner_finds_the_winograd_candidates_by_weight_shape_and_skips_convolutions_into_a_bias(tmp_path):
+    texts = []
+    for name, template, c in (("fill", CONV, 32), ("fill2", CONV, 32), ("bias", BIASED_CONV, 16)):
+        src = tmp_path / f"{name}.mlir"
+        src.write_text(template.format(c=c, h=14, w=20, h2=16, w2=22))
+        run_iree_compile(src, [*v3_flags(), f"--compile-to={dispatch_spec.INPUT_PHASE}"], tmp_path / f"{name}.in.mlir",
+                         "test")
+        texts.append((tmp_path / f"{name}.in.mlir").read_text())
+    candidates, skipped = dispatch_tune.winograd_candidates("\n".join(texts))
+    assert candidates == [{"name": "conv3x3_32x32", "weight": "tensor<32x32x3x3xf32>",
+                           "input": "tensor<1x32x16x22xf32>", "output": "tensor<1x32x14x20xf32>", "count": 2}]
+    assert [(s["entry"], s["convolutions"]) for s in skipped] == [("conv3x3_16x16", 1)]
+    assert "not a zero fill" in skipped[0]["why"]
+
+
+def test_winograd_tuner_end_to_end_writes_a_spec_that_matches_and_pins_it_or_says_why_not(tmp_path):
+    """`dsa tune-dispatches --winograd` on a profile directory of a one-convolution model: the weight shape is
+    measured both ways; a spec, when one is written, rewrites the model's convolution, is pinned and keeps its
+    outputs; when none is, the evidence says why (timings decide which: both outcomes are correct)."""
+    import subprocess
+
+    from dsa.runtime import host
+    from dsa.tools.profiler.runner import runtime_tool_path
+
+    if not host.runs_here(json.loads(runfile("toolchains/targets/x86_64-v3.json").read_text())):
+        pytest.skip("the tuner times x86-64-v3 modules, which this CPU cannot run")
+    profile_dir = tmp_path / "profile"
+    profile_dir.mkdir()
+    mlir = conv_mlir(profile_dir, c=64, h=24, w=30)
+    (profile_dir / "model.mlir").write_text(mlir.read_text())
+    (profile_dir / "executable_sources.mlir").write_text("")  # a profile directory's; --winograd reads model.mlir
+    rng = np.random.default_rng(0)
+    np.save(profile_dir / "input0_x.npy", rng.standard_normal((1, 64, 26, 32)).astype(np.float32))
+    np.save(profile_dir / "input1_w.npy", (rng.standard_normal((64, 64, 3, 3)) / 24).astype(np.float32))
+    (profile_dir / "profile.json").write_text(json.dumps({
+        "model_id": "conv", "target": "x86_64-v3", "bucket": None, "flags": v3_flags(),
+        "inputs": {"x": [1, 64, 26, 32], "w": [64, 64, 3, 3]}, "dispatches": []}))
+    params = tmp_path / "params.irpa"
+    subprocess.run([runtime_tool_path("iree-create-parameters"), "--data=unused=4xf32", f"--output={params}"],
+                   check=True, capture_output=True)
+    tuning = tmp_path / "resnet_policy.x86_64-v3.json"
+    tuning.write_text(json.dumps({k: v for k, v in json.loads(runfile(
+        "toolchains/tuning/resnet_policy.x86_64-v3.json").read_text()).items() if k != "dispatch_spec"}))
+    out = tmp_path / "resnet_policy.x86_64-v3.spec.mlir"
+    evidence = tmp_path / "resnet_policy.x86_64-v3.spec.evidence.json"
+    try:
+        result = dispatch_tune.tune_rewrites(profile_dir, out, evidence, params=params, rounds=2, min_time=0.05,
+                                             keep_below=0.9, keep=None, tuning_file=tuning, log=lambda _: None)
+    except DsaError as e:  # the whole model measured slower with the spec: refused, nothing written, evidence kept
+        assert "not faster with the spec" in str(e) and not out.exists()
+        result = json.loads(evidence.read_text())
+    rows = result["rewrites"]
+    assert [r["entry"] for r in rows] == ["conv3x3_64x64"] and rows[0]["convolutions"] == 1
+    assert rows[0]["default_us"] > 0 and rows[0]["winograd_us"] > 0
+    assert ("chosen" in rows[0]) != ("kept_default" in rows[0])
+    if out.exists():
+        assert result["model"]["parity"] and result["model"]["matched"] == {"conv3x3_64x64": 1}
+        assert load_tuning(tuning)["dispatch_spec"] == {"file": out.name, "sha256": sha256_file(out)}
+        assert dispatch_spec.spec_parts(out) == {"preprocess": ["conv3x3_64x64"], "tune": []}
     else:
         assert "dispatch_spec" not in json.loads(tuning.read_text())

@@ -326,6 +326,35 @@ def test_stem_conv_to_matmul_leaves_deep_pointwise_grouped_and_dynamic_batch_con
     assert aten.conv2d.default in _targets(rewritten)
 
 
+# -- split_conv_bias -----------------------------------------------------------------------------------
+
+
+def test_split_conv_bias_leaves_a_3x3_stride_1_convolution_without_bias_plus_an_add_matching_eager():
+    torch.manual_seed(0)
+    # A ResNet block as LeRobot ACT has it: 3x3 conv + batch norm, folded into a biased conv first.
+    module = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                           nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()).eval()
+    module[1].running_mean.normal_()
+    module[1].running_var.uniform_(0.5, 2.0)
+    args = (torch.randn(1, 8, 12, 14),)
+    program = _export(module, args)
+    rewritten, counts = apply_passes(program, ["fold_batchnorm", "split_conv_bias"])
+    assert counts == {"fold_batchnorm": 1, "split_conv_bias": 2}
+    convs = [n for n in rewritten.graph.nodes if n.op == "call_function" and "conv" in str(n.target)]
+    assert len(convs) == 2 and all(n.args[2] is None for n in convs), [n.args[:3] for n in convs]
+    _assert_matches_eager(module, rewritten, args)
+
+
+@pytest.mark.parametrize("conv", [nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.Conv2d(8, 8, 3, dilation=2),
+                                  nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 3, padding=1, bias=False),
+                                  nn.Conv2d(8, 8, 3, padding=1, groups=2), nn.Conv2d(8, 8, (3, 5), padding=1)],
+                         ids=["stride_2", "dilated", "1x1", "no_bias", "grouped", "3x5"])
+def test_split_conv_bias_leaves_convolutions_winograd_does_not_take_alone(conv):
+    args = (torch.randn(1, 8, 12, 12),)
+    _, rewritten, count = _rewrite(conv, args, "split_conv_bias")
+    assert count == 0
+
+
 def test_patchify_takes_a_patch_embedding_before_the_stem_rewrite():
     torch.manual_seed(0)
     module, args = Conv(3, 16, 16, 16), (torch.randn(1, 3, 32, 32),)
@@ -650,13 +679,14 @@ def test_fenced_projection_imports_as_optimization_barriers(tmp_path):
 
 
 class Policy(nn.Module):
-    """Every pattern once: 3-channel stem conv + BN, 1x1 stride-2 conv, patch embedding, bool-& masked
-    attention."""
+    """Every pattern once: 3-channel stem conv + BN, a biased 3x3 conv, 1x1 stride-2 conv, patch embedding,
+    bool-& masked attention."""
 
     def __init__(self):
         super().__init__()
         self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(8)
+        self.body = nn.Conv2d(8, 8, 3, padding=1)
         self.down = nn.Conv2d(8, 16, 1, stride=2)
         self.patch = nn.Conv2d(16, 32, 4, stride=4)
         self.attn = Attention("bool_and", "div")
@@ -665,7 +695,7 @@ class Policy(nn.Module):
             self.bn.running_var.uniform_(0.5, 2)
 
     def forward(self, image, keep):
-        y = self.patch(self.down(torch.relu(self.bn(self.stem(image)))))
+        y = self.patch(self.down(self.body(torch.relu(self.bn(self.stem(image))))))
         tokens = y.flatten(2).transpose(1, 2)
         return self.attn(tokens, keep)
 
@@ -687,10 +717,11 @@ def test_rewritten_program_imports_compiles_and_runs_like_eager(tmp_path):
     program = _export(module, (image, keep))
     rewritten, counts = apply_passes(program, list(PASSES))
     # attention_to_sdpa makes one SDPA; decompose_attention (its inverse, later in the order) takes it apart.
-    # The 3-channel stem (its batch norm folded first) becomes im2col + matmul; the packed qkv projection is
-    # fenced from its head split.
+    # The 3-channel stem (its batch norm folded first) becomes im2col + matmul; the 3x3 body conv's bias is
+    # split off; the packed qkv projection is fenced from its head split.
     assert counts == {"bool_and_to_logical_and": 1, "fold_batchnorm": 1, "patchify_conv_to_matmul": 2,
-                      "stem_conv_to_matmul": 1, "conv1d_to_matmul": 0, "conv_transpose1d_to_matmul": 0,
+                      "stem_conv_to_matmul": 1, "split_conv_bias": 1, "conv1d_to_matmul": 0,
+                      "conv_transpose1d_to_matmul": 0,
                       "attention_to_sdpa": 1, "decompose_attention": 1, "fence_head_split_projections": 1}
 
     with warnings.catch_warnings():

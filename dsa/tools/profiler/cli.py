@@ -64,8 +64,8 @@ def format_profile(result: dict, top: Optional[int] = None) -> str:
     spec = result.get("dispatch_spec")
     if spec is not None:
         unmatched = [n for n, c in spec.items() if not c]
-        lines.append(f"dispatch spec: {len(spec) - len(unmatched)} of {len(spec)} entries set the tiles of "
-                     f"{sum(spec.values())} dispatch(es)" + (f"; matching none: {', '.join(unmatched)}" if unmatched else ""))
+        lines.append(f"dispatch spec: {len(spec) - len(unmatched)} of {len(spec)} entries matched {sum(spec.values())} "
+                     "op(s) (set tiles or rewrote)" + (f"; matching none: {', '.join(unmatched)}" if unmatched else ""))
     lines.append(f"vmfb sha256 {result['vmfb_sha256']} (the build's, for the same flags and rewrites)")
     return "\n".join(lines)
 

@@ -108,17 +108,23 @@ def profile_model(
 
         start = time.monotonic()
         sources_path = work / "executable_sources.mlir"
-        run_iree_compile(mlir_path, flags + ["--compile-to=executable-sources", "--mlir-print-debuginfo"],
+        spec = (tuning or {}).get(SPEC_PATH_KEY)
+        source, resume, pre_counts = mlir_path, [], {}
+        if spec:  # as the build compiles it: the spec's rewrites after input conversion (locations kept)
+            from dsa.stages.dispatch_spec import preprocess
+
+            source, resume, pre_counts = preprocess(mlir_path, flags, Path(spec), work, where,
+                                                    lambda m, f, o: run_iree_compile(m, f, o, where), debuginfo=True)
+        run_iree_compile(source, flags + resume + ["--compile-to=executable-sources", "--mlir-print-debuginfo"],
                          sources_path, where)
         vmfb = work / "model.vmfb"
-        spec = (tuning or {}).get(SPEC_PATH_KEY)
         spec_counts = None
-        if spec:  # as the build compiles it: the tuning's dispatch spec applied between configuration and codegen
+        if spec:  # ... and its tile sizes between configuration and codegen
             from dsa.stages.dispatch_spec import compile_with_spec
 
-            spec_counts = compile_with_spec(sources_path, flags, Path(spec), vmfb, where,
-                                            lambda m, f, o: run_iree_compile(m, f, o, where),
-                                            start_flags=["--compile-from=executable-sources"])
+            spec_counts = dict(pre_counts, **compile_with_spec(
+                sources_path, flags, Path(spec), vmfb, where, lambda m, f, o: run_iree_compile(m, f, o, where),
+                start_flags=["--compile-from=executable-sources"], preprocessed=True))
         else:
             run_iree_compile(sources_path, flags + ["--compile-from=executable-sources"], vmfb, where)
         vmfb_sha256 = sha256_file(vmfb)
