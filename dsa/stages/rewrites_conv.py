@@ -93,6 +93,11 @@ def fold_batchnorm(g: PassGraph) -> int:
     return count
 
 
+def _pair(v) -> list:
+    """A 2-D convolution's stride, padding or dilation as two ints (torch allows one for both)."""
+    return [int(i) for i in v] * (2 // len(v))
+
+
 def _dense_conv2d(node):
     """A 2-D, ungrouped, not transposed convolution of a 4-D input: (arguments, input, weight, bias, input
     value), else None."""
@@ -223,8 +228,7 @@ def stem_conv_to_matmul(g: PassGraph) -> int:
         padding = a["padding"]
         if isinstance(padding, str):
             continue
-        pair = lambda v: [int(i) for i in v] * (2 // len(v))  # noqa: E731
-        stride, padding, dilation = pair(a["stride"]), pair(padding), pair(a["dilation"])
+        stride, padding, dilation = _pair(a["stride"]), _pair(padding), _pair(a["dilation"])
         ho = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
         wo = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
         if ho <= 0 or wo <= 0:
@@ -281,8 +285,7 @@ def split_conv_bias(g: PassGraph) -> int:
         a, x, weight, bias, xv = conv
         if bias is None or tuple(node_val(weight).shape[2:]) != (3, 3):
             continue
-        pair = lambda v: [int(i) for i in v] * (2 // len(v))  # noqa: E731
-        if isinstance(a["padding"], str) or pair(a["stride"]) != [1, 1] or pair(a["dilation"]) != [1, 1]:
+        if isinstance(a["padding"], str) or _pair(a["stride"]) != [1, 1] or _pair(a["dilation"]) != [1, 1]:
             continue
         with g.graph.inserting_before(node):
             args = dict(a, bias=None)

@@ -481,13 +481,8 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
             rows.append(row)
             if "chosen" in row:
                 entries.append({"name": row["entry"], "op": roots[0]["op"], "lowering_config": row["chosen_config"]})
-        result = {"format": EVIDENCE_FORMAT, "model_id": profile["model_id"], "target": profile["target"],
-                  "bucket": profile.get("bucket"), "flags": flags, "cpu": host_cpu_model(),
-                  "iree_base_compiler": compiler_version(), "rounds": rounds, "keep_below": keep_below,
-                  "dispatch_threads": threads, "min_workgroups": MIN_WORKGROUPS,
-                  "model_timing": "whole model: iree-benchmark-module, the runtime's default threads, 5 calls per "
-                                  "timing, untuned and tuned alternating, median of the per-round ratios",
-                  "dispatches": rows, "skipped": skipped}
+        result = dict(_evidence(profile, flags, rounds, keep_below, threads), min_workgroups=MIN_WORKGROUPS,
+                      dispatches=rows, skipped=skipped)
         if not entries:
             result["model"] = None
             log("no dispatch got faster than IREE's configuration: no spec written")
@@ -524,6 +519,16 @@ def _read_profile(profile_dir: Path, params: Optional[Path]) -> Tuple[dict, Path
     if not params.is_file():
         raise DsaError(str(params), "no parameter archive", "pass the model's built .irpa with --params")
     return read_json(profile_path), params
+
+
+def _evidence(profile: dict, flags: Sequence[str], rounds: int, keep_below: float, threads: int) -> dict:
+    """What every evidence file says of the model, the machine and the method."""
+    return {"format": EVIDENCE_FORMAT, "model_id": profile["model_id"], "target": profile["target"],
+            "bucket": profile.get("bucket"), "flags": list(flags), "cpu": host_cpu_model(),
+            "iree_base_compiler": compiler_version(), "rounds": rounds, "keep_below": keep_below,
+            "dispatch_threads": threads,
+            "model_timing": "whole model: iree-benchmark-module, the runtime's default threads, 5 calls per "
+                            "timing, untuned and tuned alternating, median of the per-round ratios"}
 
 
 def _keep_if_faster(result: dict, check: dict, counts: Dict[str, int], spec_tmp: Path, out: Path, evidence: Path,
@@ -580,13 +585,7 @@ def tune_rewrites(profile_dir: Path, out: Path, evidence: Path, *, params: Optio
                               keep_below=keep_below, where=f"{where}: {c['name']}", log=log, threads=threads)
                 for c in candidates]
         rewrites = [{"name": r["entry"], "rewrite": "winograd", "weight": r["weight"]} for r in rows if "chosen" in r]
-        result = {"format": EVIDENCE_FORMAT, "model_id": profile["model_id"], "target": profile["target"],
-                  "bucket": profile.get("bucket"), "flags": flags, "cpu": host_cpu_model(),
-                  "iree_base_compiler": compiler_version(), "rounds": rounds, "keep_below": keep_below,
-                  "dispatch_threads": threads,
-                  "model_timing": "whole model: iree-benchmark-module, the runtime's default threads, 5 calls per "
-                                  "timing, without and with the spec alternating, median of the per-round ratios",
-                  "rewrites": rows, "skipped": skipped}
+        result = dict(_evidence(profile, flags, rounds, keep_below, threads), rewrites=rows, skipped=skipped)
         if not rewrites:
             result["model"] = None
             log("Winograd was faster for no weight shape: no spec written")
