@@ -87,6 +87,11 @@ CODEGEN_FLAGS: Dict[str, Callable[[Optional[str]], Optional[str]]] = {
     "--iree-opt-data-tiling": _boolean,
     "--iree-opt-const-eval": _boolean,
     "--iree-opt-const-expr-hoisting": _boolean,
+    # How many bytes one hoisted constant expression may add (IREE's default: 1 MiB): what is computed from the
+    # weights alone (data-tiled packing, Winograd's transformed filters) is then computed once at load instead
+    # of every call, and held in memory. Bounded: a limit past every weight hoists expressions of GBs (measured
+    # on ACT: 12 GB resident with 1 GiB).
+    "--iree-opt-const-expr-max-size-increase-threshold": _byte_count(1, 256 * _MiB),
     "--iree-llvmcpu-enable-ukernels": _pattern(r"none|default|all|[a-z0-9_]+(,[a-z0-9_]+)*",
                                                "none, default, all or a comma-separated list of ukernel names"),
     # A function's stack; the runtime's worker stack must hold it (runtime_flags), up to 8 MiB.

@@ -94,6 +94,7 @@ def test_a_tuning_may_not_choose_the_cpu_device_input_or_reproducibility(flag):
     ("--iree-llvmcpu-stack-allocation-limit=0", "a byte count"),
     ("--iree-llvmcpu-stack-allocation-limit=" + "9" * 3000, "a byte count"),
     ("--iree-llvmcpu-matmul-tile-bytes=-1", "a byte count from 1 to 16777216"),
+    ("--iree-opt-const-expr-max-size-increase-threshold=1073741824", "a byte count from 1 to 268435456"),
     ("--iree-llvmcpu-enable-ukernels=all;rm", "none, default, all or a comma-separated list"),
     ("--iree-dispatch-creation-experimental-set-data-tiling-ops=attention", "a comma-separated list of matmul"),
     ("--iree-preprocessing-pass-pipeline=builtin.module(iree-dump-dispatch-graph{output-file=/etc/x})",

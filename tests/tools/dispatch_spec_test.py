@@ -421,6 +421,35 @@ def test_tuner_finds_the_winograd_candidates_by_weight_shape_and_skips_convoluti
     assert "not a zero fill" in skipped[0]["why"]
 
 
+HOIST_FLAG = "--iree-opt-const-expr-max-size-increase-threshold"
+
+
+@pytest.mark.parametrize("threshold, at_load", [(None, False), (64 << 20, True)])
+def test_a_winograd_filter_is_transformed_at_load_within_the_const_expr_limit_and_every_call_past_it(
+        tmp_path, threshold, at_load):
+    """The tuner times a convolution standalone with its weight a parameter, as the model's are: a 128-channel
+    filter transforms into 4 MiB, past IREE's default const-expr limit (1 MiB), so the module transforms it on
+    every call; with the limit raised in the tuning's flags, once, in the module's initializer. The standalone
+    module pays what the model's does under the same flags."""
+    candidate = {"name": "conv3x3_128x128", "weight": "tensor<128x128x3x3xf32>",
+                 "input": "tensor<1x128x10x12xf32>", "output": "tensor<1x128x8x10xf32>"}
+    source = tmp_path / "conv.mlir"
+    source.write_text(dispatch_tune.STANDALONE_CONV.format(**candidate))
+    spec = tmp_path / "spec.mlir"
+    dispatch_spec.write_spec_file(spec, [], [], [winograd("conv3x3_128x128", 128)])
+    flags = [f for f in v3_flags() if not f.startswith(HOIST_FLAG)]
+    flags += [f"{HOIST_FLAG}={threshold}"] if threshold else []
+    compile_ = lambda m, f, o: run_iree_compile(m, f, o, "test")
+    rewritten, resume, counts = dispatch_spec.preprocess(source, flags, spec, tmp_path, "test", compile_)
+    assert counts == {"conv3x3_128x128": 1}
+    optimised = tmp_path / "global-opt.mlir"
+    compile_(rewritten, [*flags, *resume, "--compile-to=global-optimization"], optimised)
+    text = optimised.read_text()
+    transform = text.index("winograd.filter_transform")
+    where = max(text.rfind("util.initializer", 0, transform), text.rfind("@main(", 0, transform))
+    assert text.startswith("util.initializer", where) == at_load, text[where:where + 200]
+
+
 def test_winograd_tuner_end_to_end_writes_a_spec_that_matches_and_pins_it_or_says_why_not(tmp_path):
     """`dsa tune-dispatches --winograd` on a profile directory of a one-convolution model: the weight shape is
     measured both ways; a spec, when one is written, rewrites the model's convolution, is pinned and keeps its
