@@ -154,6 +154,16 @@ def apply_spec(configured: Path, spec: Path, out: Path, where: str) -> Dict[str,
     return _count(out, _TUNED, names)
 
 
+def _dynamic_matches(marked: Path) -> List[str]:
+    """The preprocess entries that marked an op with a dynamic dimension in its types (one op per line)."""
+    found = set()
+    with marked.open(encoding="utf-8") as f:
+        for line in f:
+            if REWRITTEN_ATTR in line and re.search(r"tensor<(\?|[0-9x]*x\?)", line):
+                found.update(_REWRITTEN.findall(line))
+    return sorted(found)
+
+
 def apply_preprocess(input_ir: Path, spec: Path, out: Path, where: str, debuginfo: bool = False) -> Dict[str, int]:
     """Applies `spec`'s preprocess entries to IR compiled to the input phase, then the rewrites they marked
     (REWRITES); writes the result to `out`. Returns each entry's count of matched ops. `debuginfo` keeps the
@@ -162,6 +172,13 @@ def apply_preprocess(input_ir: Path, spec: Path, out: Path, where: str, debuginf
     marked = out.with_name(out.name + ".marked.mlir")
     _run_transform(input_ir, spec, PREPROCESS_ENTRY_POINT, marked, where, local_scope=False, debuginfo=debuginfo)
     counts = _count(marked, _REWRITTEN, names)
+    dynamic = _dynamic_matches(marked)
+    if dynamic:
+        raise DsaError(f"{where}: dispatch spec {spec.name}",
+                       f"entries {', '.join(dynamic)} match convolutions with a dynamic dimension (e.g. "
+                       "`tensor<?x...>`), which IREE's Winograd conversion cannot rewrite",
+                       "give the model's dynamic dimensions buckets (the manifest's `buckets`, as "
+                       "manifests/act.yaml does), or compile with a tuning whose spec has no preprocess entry")
     passes = ",".join(p for _, p in REWRITES.values())
     proc = subprocess.run([iree_opt_path(), str(marked), f"--pass-pipeline=builtin.module(util.func({passes}))",
                            *(["--mlir-print-debuginfo"] if debuginfo else []), "-o", str(out)],

@@ -421,6 +421,23 @@ def test_tuner_finds_the_winograd_candidates_by_weight_shape_and_skips_convoluti
     assert "not a zero fill" in skipped[0]["why"]
 
 
+def test_a_winograd_entry_matching_a_dynamic_batch_is_refused_naming_it_and_the_buckets(tmp_path):
+    """IREE's Winograd conversion cannot rewrite a convolution with a dynamic dimension (it fails without a
+    message): the compile stops before it, naming the entry and how to give the dimension a size."""
+    source = tmp_path / "dynamic.mlir"
+    source.write_text(CONV.format(c=32, h=10, w=20, h2=12, w2=22).replace("tensor<1x", "tensor<?x").replace(
+        "%empty = tensor.empty() :", "%c0 = arith.constant 0 : index\n  %n = tensor.dim %x, %c0 : tensor<?x32x12x22xf32>"
+        "\n  %empty = tensor.empty(%n) :"))
+    spec = tmp_path / "spec.mlir"
+    dispatch_spec.write_spec_file(spec, [], [], [winograd("conv3x3_32x32", 32)])
+    with pytest.raises(DsaError) as e:
+        dispatch_spec.preprocess(source, v3_flags(), spec, tmp_path, "dynamic.mlir",
+                                 lambda m, f, o: run_iree_compile(m, f, o, "test"))
+    text = str(e.value)
+    assert text.startswith("dynamic.mlir: dispatch spec spec.mlir: ")
+    assert "entries conv3x3_32x32 match convolutions with a dynamic dimension" in text and "buckets" in text
+
+
 HOIST_FLAG = "--iree-opt-const-expr-max-size-increase-threshold"
 
 
