@@ -290,7 +290,7 @@ def _zero_fill(input_ir: str, value: str) -> bool:
 # const-expr size limit (`--iree-opt-const-expr-max-size-increase-threshold`), and recomputes on every call when
 # it does not. The standalone module then pays per call what the model's pays.
 BENCH_SCOPE = "dsa_bench"
-STANDALONE_CONV = """util.global private @w = #flow.parameter.named<"dsa_bench"::"w"> : {weight}
+STANDALONE_CONV = f'util.global private @w = #flow.parameter.named<"{BENCH_SCOPE}"::"w"> : {{weight}}' + """
 func.func @main(%x: {input}) -> {output} {{
   %w = util.global.load @w : {weight}
   %zero = arith.constant 0.0 : f32
