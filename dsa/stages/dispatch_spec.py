@@ -17,6 +17,13 @@ entry includes IREE's default configuration in its pattern: when a new compiler 
 the entry stops matching and says so (the compile report's `dispatch_spec.unmatched`) instead of overriding a
 decision it was never measured against.
 
+An entry may also choose the ukernels its dispatch is lowered with (`"ukernels"`, e.g. `mmt4d,pack`): its
+action then annotates the dispatch function with `hal.executable.target` = the variant's target with those
+ukernels, which IREE's codegen looks up from each op before the variant's (`ExecutableTargetAttr::lookup`).
+The case it exists for: IREE computes the transpose of a matmul whose N is the smaller dimension and unpacks the
+result transposed in the matmul's dispatch, and on x86 the unpack ukernel has no transposing fast path (it runs
+element by element; codegen vectorises the same unpack).
+
 A spec may also hold rewrites chosen per op before IREE's own pipeline: `@rewrite_<name>` sequences applied by
 `@__dsa_preprocess` to the IR after input conversion (`--compile-to=input`). Today's one rewrite is Winograd: an
 entry matches a 3×3 `linalg.conv_2d_nchw_fchw` by its weight type, and only when the convolution's init is a
@@ -56,6 +63,10 @@ _TUNED = re.compile(re.escape(TUNED_ATTR) + r' = "([A-Za-z0-9_]+)"')
 _REWRITTEN = re.compile(re.escape(REWRITTEN_ATTR) + r' = "([A-Za-z0-9_]+)"')
 _CPU_CONFIG = re.compile(r"#iree_cpu\.lowering_config<[^<>]*>")
 MAX_SPEC_BYTES = 8 << 20
+# What an entry may set besides tiles: the ukernels its dispatch is lowered with (IREE's CPU ukernel names).
+TARGET_ATTR = "hal.executable.target"
+UKERNELS = re.compile(r"none|all|[a-z0-9_]+(,[a-z0-9_]+)*")
+_UKERNELS_FIELD = re.compile(r'ukernels = "[^"]*"')
 
 
 def iree_opt_path() -> str:
@@ -108,6 +119,29 @@ def spec_parts(spec: Path, where: Optional[str] = None) -> Dict[str, List[str]]:
             raise DsaError(where, f"entry '{name}' is defined twice", hint)
         seen.add(name)
     return parts
+
+
+_REWRITE_ENTRY = re.compile(r"transform\.named_sequence @rewrite_([A-Za-z0-9_]+)\(.*?"
+                            r"cast_compatible_type %w = (tensor<[0-9x]+xf32>)", re.S)
+_REWRITE_ACTION = re.compile(r"@rewrite_([A-Za-z0-9_]+) -> @dsa_(\w+)")
+
+
+def spec_rewrites(spec: Path, where: Optional[str] = None) -> List[dict]:
+    """The preprocess entries of a spec as `write_spec` takes them ({"name", "rewrite", "weight"}), in order;
+    refuses one this module did not write (an entry whose weight or rewrite it cannot read)."""
+    where = where or str(spec)
+    names = spec_parts(spec, where)["preprocess"]
+    text = _spec_text(spec, where)
+    weights = dict(_REWRITE_ENTRY.findall(text))
+    actions = dict(_REWRITE_ACTION.findall(text))
+    out = []
+    for name in names:
+        if name not in weights or actions.get(name) not in REWRITES:
+            raise DsaError(where, f"preprocess entry '{name}' is not one `dsa tune-dispatches --winograd` writes "
+                                  "(no weight type or no known rewrite)",
+                           "write the spec again with `dsa tune-dispatches --winograd`")
+        out.append({"name": name, "rewrite": actions[name], "weight": weights[name]})
+    return out
 
 
 def spec_entries(spec: Path, where: Optional[str] = None) -> List[str]:
@@ -292,10 +326,24 @@ def dag_pattern(op_text: str) -> str:
     return f"    ^bb0({', '.join(args)}):\n{body}"
 
 
+def with_ukernels(target: str, ukernels: str) -> str:
+    """An executable target (`#hal.executable.target<...>` as IREE prints a variant's) with its `ukernels` set."""
+    if not UKERNELS.fullmatch(ukernels):
+        raise DsaError("dispatch spec", f"ukernels {ukernels!r} is not a set of IREE's CPU ukernels",
+                       "e.g. mmt4d,pack (names joined by commas), all or none")
+    if not target.startswith("#hal.executable.target<") or len(_UKERNELS_FIELD.findall(target)) != 1:
+        raise DsaError("dispatch spec", f"cannot set the ukernels of the executable target {target[:120]!r}",
+                       "a bug of the tuner: it passes the variant's target as IREE printed it")
+    return _UKERNELS_FIELD.sub(f'ukernels = "{ukernels}"', target)
+
+
 def write_spec(entries: Sequence[dict], header: Sequence[str] = (), rewrites: Sequence[dict] = ()) -> str:
     """A dispatch spec: `entries` of {"name", "op" (the root op as configured, with IREE's lowering_config),
-    "lowering_config" (the one to set)}; `rewrites` of {"name", "rewrite" (a REWRITES key), "weight" (the
-    3×3 convolution's weight type, e.g. tensor<64x64x3x3xf32>)}."""
+    "lowering_config" (the one to set)}, and optionally "ukernels" (the ukernels the dispatch is lowered with,
+    e.g. "mmt4d,pack") with "target" (the executable target its variant was configured for): the entry then
+    also sets the dispatch function's `hal.executable.target`, which IREE's codegen looks up from each op
+    before the variant's, to that target with those ukernels; `rewrites` of {"name", "rewrite" (a REWRITES
+    key), "weight" (the 3×3 convolution's weight type, e.g. tensor<64x64x3x3xf32>)}."""
     lines = [f"// {h}" for h in header]
     lines += ["module @dsa_dispatch_spec attributes { transform.with_named_sequence } {"]
     lines += _rewrite_lines(rewrites)
@@ -307,20 +355,40 @@ def write_spec(entries: Sequence[dict], header: Sequence[str] = (), rewrites: Se
               f'    transform.annotate %op "{TUNED_ATTR}" = %name : !transform.any_op, !transform.any_param',
               "    transform.yield",
               "  }"]
+    if any(e.get("ukernels") for e in entries):
+        lines += ["  transform.named_sequence @dsa_set_config_and_ukernels(%op: !transform.any_op {transform.readonly},",
+                  "      %config: !transform.any_param {transform.readonly}, %name: !transform.any_param {transform.readonly},",
+                  "      %target: !transform.any_param {transform.readonly}) {",
+                  '    transform.annotate %op "lowering_config" = %config : !transform.any_op, !transform.any_param',
+                  f'    transform.annotate %op "{TUNED_ATTR}" = %name : !transform.any_op, !transform.any_param',
+                  '    %fn = transform.get_parent_op %op <op_name = "func.func"> : (!transform.any_op) -> !transform.any_op',
+                  f'    transform.annotate %fn "{TARGET_ATTR}" = %target : !transform.any_op, !transform.any_param',
+                  "    transform.yield",
+                  "  }"]
     for e in entries:
         if not ENTRY_NAME.fullmatch(e["name"]):
             raise DsaError("dispatch spec", f"entry name {e['name']!r} is not a symbol")
+        uk = e.get("ukernels")
+        params = 3 if uk else 2
         lines += [
             f"  transform.named_sequence @match_{e['name']}(%op: !transform.any_op {{transform.readonly}})",
-            "      -> (!transform.any_op, !transform.any_param, !transform.any_param) {",
+            "      -> (!transform.any_op" + ", !transform.any_param" * params + ") {",
             "    %ins, %outs = transform.iree.match.cast_compatible_dag_from_root %op {",
             dag_pattern(e["op"]),
             "    } : (!transform.any_op) -> (!transform.any_value, !transform.any_value)",
             f"    %config = transform.param.constant {e['lowering_config']} -> !transform.any_param",
-            f'    %name = transform.param.constant "{e["name"]}" -> !transform.any_param',
-            "    transform.yield %op, %config, %name : !transform.any_op, !transform.any_param, !transform.any_param",
-            "  }"]
-    matches = ",\n        ".join(f"@match_{e['name']} -> @dsa_set_config" for e in entries)
+            f'    %name = transform.param.constant "{e["name"]}" -> !transform.any_param']
+        if uk:
+            target = with_ukernels(e["target"], uk)
+            lines += [f"    %target = transform.param.constant {target} -> !transform.any_param",
+                      "    transform.yield %op, %config, %name, %target : !transform.any_op, !transform.any_param, "
+                      "!transform.any_param, !transform.any_param"]
+        else:
+            lines += ["    transform.yield %op, %config, %name : !transform.any_op, !transform.any_param, "
+                      "!transform.any_param"]
+        lines += ["  }"]
+    matches = ",\n        ".join(f"@match_{e['name']} -> @dsa_set_config" +
+                                  ("_and_ukernels" if e.get("ukernels") else "") for e in entries)
     lines += [f"  transform.named_sequence @{ENTRY_POINT}(%root: !transform.any_op {{transform.consumed}}) {{",
               f"    %res = transform.foreach_match in %root\n        {matches}",
               "      : (!transform.any_op) -> !transform.any_op",

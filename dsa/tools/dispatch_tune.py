@@ -5,18 +5,23 @@ dispatch spec (dsa/stages/dispatch_spec.py) with their evidence.
     dsa tune-dispatches --profile-dir DIR --out toolchains/tuning/<family>.<target>.spec.mlir
 
 For each of the profile's top dispatches (by time per call of the model) whose root op the tuner knows how to
-tile (today: IREE's data-tiled CPU convolution, the `Mmt4dTilingExpert` 9-D generic that ResNet backbones
-become), it builds a standalone benchmark of that one dispatch (IREE's own
-`--iree-hal-dump-executable-benchmarks-to`, with the executable as the build compiles it), compiles it to
-executable-configurations, and times IREE's configuration against candidate tile sizes — the register tile
-(output channels × rows × columns held in vector registers), then the distribution tile (the work of one
-workgroup, keeping at least MIN_WORKGROUPS of them) — with iree-benchmark-module on one thread (`--threads`),
+tile (IREE's data-tiled CPU convolution, the `Mmt4dTilingExpert` 9-D generic that ResNet backbones become on
+AVX-512; and its data-tiled matmul, `linalg.mmt4d`/`linalg.batch_mmt4d` lowered to the mmt4d ukernel), it
+builds a standalone benchmark of that one dispatch (IREE's own `--iree-hal-dump-executable-benchmarks-to`,
+with the executable as the build compiles it), compiles it to executable-configurations, and times IREE's
+configuration against candidate tile sizes — for a convolution the register tile (output channels × rows ×
+columns held in vector registers), for a matmul the ukernel's extent (how many m0 × n0 tiles one call
+computes); then the distribution tile (the work of one workgroup, keeping at least MIN_WORKGROUPS of them);
+where the dispatch holds a pack or unpack and the build enables every ukernel, each also without that op's
+ukernel (`ukernel_alternatives`) — with iree-benchmark-module on one thread (`--threads`),
 in alternating rounds (each candidate's time over IREE's in the same round: a machine that slows down mid-run
 biases none). A candidate is kept when the median of its ratios is at
 most `--keep-below` (default 0.9: the 2-core machines this runs on vary ±10% run to run) and a confirming run
 agrees. Then the whole model is compiled with the spec: every entry must match, the outputs must equal the
 untuned module's (|x − y| ≤ 2e-4·max(1, |y|), on the profile's inputs), and both are timed. Nothing is written
-unless all of that holds; the evidence file records every dispatch measured, what was chosen and why.
+unless all of that holds; the evidence file records every dispatch measured, what was chosen and why. A
+profile taken with a spec's preprocess entries (Winograd) has executables that exist only with them: the spec
+written keeps them, read from the spec `--tuning` pins, with their evidence (`carried_rewrites`).
 
 `--winograd` searches another decision, made before configuration: for each weight shape of the model's 3×3
 stride-1 convolutions, IREE's lowering (x86-64-v3: im2col + data-tiled matmul) against Winograd F(6×6, 3×3),
@@ -105,6 +110,121 @@ def conv_shape(op: str) -> Optional[Dict[str, int]]:
     return {"n": n, "oc_o": oco, "oh": oh, "ow": ow, "oc_i": oci}
 
 
+_MMT4D = re.compile(r"(?:%[\w#:]+ = )?linalg\.(batch_)?mmt4d ")
+
+
+def mmt4d_shape(op: str) -> Optional[Dict[str, int]]:
+    """The sizes of IREE's data-tiled matmul (`linalg.mmt4d` over (m1, n1, k1, m0, n0, k0), `linalg.batch_mmt4d`
+    with a batch dimension before them: LHS [b, m1, k1, m0, k0], RHS [b, n1, k1, n0, k0]), or None when `op` is
+    not one."""
+    m = _MMT4D.match(op)
+    if not m:
+        return None
+    ins = re.search(r"ins\(%[\w#]+, %[\w#]+ : tensor<([0-9x]+)x\w+>, tensor<([0-9x]+)x\w+>\)", op)
+    if not ins:
+        return None
+    lhs, rhs = ([int(x) for x in s.split("x")] for s in ins.groups())
+    batched = m.group(1) is not None
+    if len(lhs) != 4 + batched or len(rhs) != 4 + batched:
+        return None
+    if not batched:
+        lhs, rhs = [1] + lhs, [1] + rhs
+    return {"batched": int(batched), "b": lhs[0], "m1": lhs[1], "k1": lhs[2], "m0": lhs[3], "k0": lhs[4],
+            "n1": rhs[1], "n0": rhs[3]}
+
+
+def _mmt4d_fields(op: str, config: str) -> Optional[Tuple[Dict[str, int], Dict[str, List[int]], int]]:
+    """(shape, config fields, index of m1 in the config's lists) of a data-tiled matmul, or None."""
+    shape = mmt4d_shape(op)
+    fields = parse_config(config)
+    if shape is None or not {"distribution", "vector_common_parallel"} <= set(fields):
+        return None
+    rank = 6 + shape["batched"]
+    if any(len(v) != rank for v in fields.values()):
+        return None
+    return shape, fields, shape["batched"]
+
+
+def mmt4d_candidates(op: str, default: str) -> List[Tuple[str, str]]:
+    """(name, lowering_config) candidates for a data-tiled matmul lowered to IREE's mmt4d ukernel: how many
+    (m0 × n0) tiles one call of the ukernel computes (vector_common_parallel's m1 × n1: stage "v"; one tile
+    reloads its accumulators and the LHS panel per call), each inside IREE's distribution tile."""
+    found = _mmt4d_fields(op, default)
+    if found is None:
+        return []
+    shape, fields, i = found
+    dist = fields["distribution"]
+    d_m1 = dist[i] or shape["m1"]
+    d_n1 = dist[i + 1] or shape["n1"]
+    out = []
+    for v_m1 in sorted({d for d in _divisors(shape["m1"]) if d <= 8}):
+        for v_n1 in sorted({d for d in _divisors(shape["n1"]) if d <= 8} | {d_n1}):
+            vcp = list(fields["vector_common_parallel"])
+            vcp[i], vcp[i + 1] = v_m1, v_n1
+            new_dist = list(dist)  # a workgroup holds whole ukernel calls
+            new_dist[i] = -(-d_m1 // v_m1) * v_m1 if dist[i] else 0
+            new_dist[i + 1] = -(-d_n1 // v_n1) * v_n1 if dist[i + 1] else 0
+            workgroups = shape["b"] * -(-shape["m1"] // (new_dist[i] or shape["m1"])) * \
+                -(-shape["n1"] // (new_dist[i + 1] or shape["n1"]))
+            config = format_config(dict(fields, vector_common_parallel=vcp, distribution=new_dist))
+            if config != format_config(fields) and (new_dist == dist or workgroups >= MIN_WORKGROUPS):
+                out.append((f"v{v_m1}x{v_n1}", config))
+    return out
+
+
+def mmt4d_distribution_candidates(op: str, base: str) -> List[Tuple[str, str]]:
+    """Distribution tiles (m1 × n1 tiles per workgroup) around the ukernel extent of `base`."""
+    found = _mmt4d_fields(op, base)
+    if found is None:
+        return []
+    shape, fields, i = found
+    vcp = fields["vector_common_parallel"]
+    out = []
+    base_dist = fields["distribution"]
+    # Multiples of the ukernel's extent (a workgroup holds whole calls) and the base's own: a few sizes per
+    # dimension, not every divisor (a 400-tile N would give dozens of candidates that differ by a percent).
+    m_tiles = sorted({vcp[i] * k for k in (1, 2, 4) if vcp[i] * k <= shape["m1"]} | ({base_dist[i]} - {0}))
+    n_tiles = sorted({vcp[i + 1] * k for k in (1, 2, 4, 8) if vcp[i + 1] * k <= shape["n1"]} |
+                     ({base_dist[i + 1]} - {0}))
+    for d_m1 in m_tiles:
+        for d_n1 in n_tiles:
+            workgroups = shape["b"] * -(-shape["m1"] // d_m1) * -(-shape["n1"] // d_n1)
+            if workgroups < MIN_WORKGROUPS:
+                continue
+            dist = list(fields["distribution"])
+            dist[i], dist[i + 1] = d_m1, d_n1
+            config = format_config(dict(fields, distribution=dist))
+            if config != base:
+                out.append((f"d{d_m1}x{d_n1}", config))
+    return out
+
+
+# The ukernels a variant is lowered with, and the sets a dispatch is also timed with: on x86 IREE's pack and
+# unpack ukernels have fast paths only for direct tiles (runtime/src/iree/builtins/ukernel/arch/x86_64), so a
+# transposing unpack fused into a matmul dispatch (the result of a matmul whose N is the smaller dimension:
+# IREE computes its transpose) runs element by element; without the unpack ukernel, codegen vectorises it.
+_VARIANT_UKERNELS = re.compile(r'ukernels = "([^"]*)"')
+_VARIANT_TARGET = re.compile(r"^\s*hal\.executable\.variant public @\w+ target\((<.*>)\)(?: \{)?$", re.M)
+
+
+def ukernel_alternatives(configured: str) -> List[str]:
+    """The ukernel sets a dispatch is timed with besides its build's: with `all`, without the pack or unpack
+    ukernel when the dispatch holds a pack or unpack (none otherwise)."""
+    found = set(_VARIANT_UKERNELS.findall(configured))
+    if found != {"all"}:
+        return []
+    ops = [name for name in ("pack", "unpack") if re.search(rf"= linalg\.{name} ", configured)]
+    return [",".join(["mmt4d"] + [o for o in ("pack", "unpack") if o != drop]) for drop in ops]
+
+
+def variant_target(configured: str, where: str) -> str:
+    """The executable target of the (one) variant of a configured standalone dispatch, as an attribute."""
+    targets = _VARIANT_TARGET.findall(configured)
+    if len(targets) != 1:
+        raise DsaError(where, f"has {len(targets)} executable variants (a standalone dispatch has one)")
+    return "#hal.executable.target" + targets[0]
+
+
 def _divisors(x: int) -> List[int]:
     return [d for d in range(1, x + 1) if x % d == 0]
 
@@ -178,10 +298,14 @@ class Bench:
         self.modules: Dict[str, Path] = {}
         self.failed: Dict[str, str] = {}
 
-    def compile(self, name: str, config: str) -> bool:
+    def compile(self, name: str, config: str, ukernels: Optional[str] = None) -> bool:
+        """Compiles the dispatch with `config` as its root op's lowering_config and, when `ukernels` is given,
+        lowered with those ukernels (what a spec entry's `hal.executable.target` does to the dispatch)."""
         if name in self.modules:
             return True
         text = self.configured.replace(f"lowering_config = {self.root_config}", f"lowering_config = {config}", 1)
+        if ukernels is not None:
+            text = _VARIANT_UKERNELS.sub(f'ukernels = "{ukernels}"', text)
         src = self.work / f"{name}.mlir"
         src.write_text(text)
         vmfb = self.work / f"{name}.vmfb"
@@ -212,52 +336,85 @@ class Bench:
         return float(bench["real_time"]) * unit
 
     def rounds(self, names: Sequence[str], rounds: int, min_time: float, seed: int) -> Dict[str, dict]:
-        """Each name's times and its median ratio to "default" (timed in every round, in a shuffled order)."""
-        order = ["default"] + [n for n in names if n != "default"]
+        """Each name's times and its median ratio to "default" (timed in every round, in a shuffled order). A
+        candidate whose module fails to run (a tile IREE compiles but cannot execute: measured, a crash) is
+        dropped and recorded in `failed`; IREE's own failing stops the search."""
+        order = ["default"] + [n for n in names if n != "default" and n not in self.failed]
         times: Dict[str, List[float]] = {n: [] for n in order}
         rng = random.Random(seed)
-        for _ in range(rounds):
+        for r in range(rounds):
             shuffled = list(order)
             rng.shuffle(shuffled)
             for n in shuffled:
-                times[n].append(self.time_us(n, min_time))
+                if n in self.failed:
+                    continue
+                try:
+                    times[n].append(self.time_us(n, min_time))
+                except DsaError as e:
+                    if n == "default":
+                        raise
+                    self.failed[n] = f"failed to run: {e}"[:300]
+        times = {n: t for n, t in times.items() if n not in self.failed}
         base = times["default"]
         return {n: {"us": statistics.median(t), "min_us": min(t),
                     "ratio": statistics.median(x / b for x, b in zip(t, base))} for n, t in times.items()}
 
 
+def search_space(op: str, default: str, vector_registers: int):
+    """(first-stage candidates, the distribution candidates around a configuration) for a root op the tuner
+    tiles, or None for one it does not."""
+    if conv_shape(op) is not None:
+        return conv_candidates(op, default, vector_registers), lambda c: distribution_candidates(op, c)
+    if mmt4d_shape(op) is not None:
+        return mmt4d_candidates(op, default), lambda c: mmt4d_distribution_candidates(op, c)
+    return None
+
+
 def tune_dispatch(configured: str, root: dict, work: Path, *, driver: str, vector_registers: int, rounds: int,
                   min_time: float, keep_below: float, where: str, log, threads: int = 1) -> dict:
-    """Searches one dispatch; returns its evidence row (with "chosen" when a candidate won)."""
+    """Searches one dispatch; returns its evidence row (with "chosen" when a candidate won, and
+    "chosen_ukernels" when it won with other ukernels than the build's)."""
     bench = Bench(configured, root["lowering_config"], work, driver, where, threads)
     if not bench.compile("default", root["lowering_config"]):
         return {"skipped": f"IREE's own configuration does not compile standalone: {bench.failed['default']}"}
-    stage1 = [(n, c) for n, c in conv_candidates(root["op"], root["lowering_config"], vector_registers)
-              if bench.compile(n, c)]
-    configs = dict(stage1, default=root["lowering_config"])
-    first = bench.rounds([n for n, _ in stage1], max(2, rounds // 2), min_time, seed=1)
+    first_stage, around = search_space(root["op"], root["lowering_config"], vector_registers)
+    # name -> (lowering_config, ukernels or None for the build's)
+    configs: Dict[str, Tuple[str, Optional[str]]] = {"default": (root["lowering_config"], None)}
+    for n, c in first_stage:
+        configs[n] = (c, None)
+    for uk in ukernel_alternatives(configured):  # each tile candidate, and IREE's, also with other ukernels
+        tag = "uk_" + uk.replace(",", "_")
+        for n, (c, _) in list(configs.items()):
+            configs[f"{n}_{tag}" if n != "default" else tag] = (c, uk)
+    stage1 = [n for n in configs if n != "default" and bench.compile(n, *configs[n])]
+    first = bench.rounds(stage1, max(2, rounds // 2), min_time, seed=1)
     ranked = sorted((n for n in first if n != "default"), key=lambda n: first[n]["ratio"])
     stage2 = []
-    for best in ranked[:2]:
-        for n, c in distribution_candidates(root["op"], configs[best]):
+    for best in dict.fromkeys(ranked[:2] + ["default"]):  # distribution tiles around the best two and IREE's
+        config, uk = configs[best]
+        for n, c in around(config):
             name = f"{best}_{n}"
-            if bench.compile(name, c):
-                configs[name] = c
+            if bench.compile(name, c, uk):
+                configs[name] = (c, uk)
                 stage2.append(name)
     second = bench.rounds(ranked[:4] + stage2, max(2, rounds // 2), min_time, seed=2)
     finalists = sorted((n for n in second if n != "default"), key=lambda n: second[n]["ratio"])[:3]
     final = bench.rounds(finalists, rounds, min_time, seed=3)
     best = min(finalists, key=lambda n: final[n]["ratio"]) if finalists else None
     row = {"default_config": root["lowering_config"], "default_us": final["default"]["us"],
-           "candidates": len(configs) - 1 + len(bench.failed), "failed_to_compile": len(bench.failed),
-           "finalists": [{"name": n, "config": configs[n], "us": final[n]["us"], "ratio": final[n]["ratio"]}
-                         for n in finalists]}
+           "candidates": len(set(stage1) | set(stage2) | set(bench.failed)),
+           "failed_to_compile": sum(not why.startswith("failed to run") for why in bench.failed.values()),
+           "failed_to_run": sorted(n for n, why in bench.failed.items() if why.startswith("failed to run")),
+           "finalists": [dict({"name": n, "config": configs[n][0], "us": final[n]["us"], "ratio": final[n]["ratio"]},
+                              **({"ukernels": configs[n][1]} if configs[n][1] else {})) for n in finalists]}
     # Kept only when faster both ways: the median of its per-round ratios to IREE's (robust to a machine that
     # drifts) and its median time against IREE's median time (robust to one lucky round).
     if best is not None and final[best]["ratio"] <= keep_below and \
             final[best]["us"] <= keep_below * final["default"]["us"]:
-        row.update(chosen=best, chosen_config=configs[best], chosen_us=final[best]["us"],
+        row.update(chosen=best, chosen_config=configs[best][0], chosen_us=final[best]["us"],
                    ratio=final[best]["ratio"])
+        if configs[best][1]:
+            row["chosen_ukernels"] = configs[best][1]
     else:
         row["kept_default"] = (f"no candidate's median time was at most {keep_below} of IREE's (best: {best}, "
                                f"ratio {final[best]['ratio']:.2f}, {final[best]['us'] / 1e3:.2f} ms)"
@@ -462,6 +619,7 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
         work.mkdir(parents=True, exist_ok=True)
         bench_dir = work / "benchmarks"
         untuned = work / "untuned.vmfb"
+        rewrites, rewrite_evidence = carried_rewrites(profile, tuning_file, where)
         log(f"compiling {profile['model_id']} for {profile['target']} with its executables' benchmarks")
         run_iree_compile(profile_dir / "executable_sources.mlir",
                          flags + ["--compile-from=executable-sources",
@@ -485,10 +643,10 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
             run_iree_compile(standalone, [f"--compile-to={dispatch_spec.CONFIGURED_PHASE}"], configured_path, where)
             configured = configured_path.read_text()
             roots = dispatch_spec.configured_root_ops(configured)
-            if len(roots) != 1 or conv_shape(roots[0]["op"]) is None:
+            if len(roots) != 1 or search_space(roots[0]["op"], roots[0]["lowering_config"], 16) is None:
                 skipped.append({"dispatch": function, "profile_ms": d["total_ms"],
-                                "why": "its root op is not a data-tiled convolution (the kind this tuner tiles)"
-                                if len(roots) == 1 else f"{len(roots)} root ops"})
+                                "why": "its root op is not a data-tiled convolution or matmul (the kinds this "
+                                       "tuner tiles)" if len(roots) == 1 else f"{len(roots)} root ops"})
                 continue
             key = re.sub(r"%[\w#:]+", "%", dispatch_spec.dag_pattern(roots[0]["op"]))  # without SSA names
             if key in seen:
@@ -507,8 +665,12 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
             rows.append(row)
             if "chosen" in row:
                 entries.append({"name": row["entry"], "op": roots[0]["op"], "lowering_config": row["chosen_config"]})
+                if "chosen_ukernels" in row:
+                    entries[-1].update(ukernels=row["chosen_ukernels"], target=variant_target(configured, where))
         result = dict(_evidence(profile, flags, rounds, keep_below, threads), min_workgroups=MIN_WORKGROUPS,
                       dispatches=rows, skipped=skipped)
+        if rewrites:
+            result["carried_rewrites"] = rewrite_evidence
         if not entries:
             result["model"] = None
             log("no dispatch got faster than IREE's configuration: no spec written")
@@ -518,13 +680,18 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
         where_tuned = f"{bucket['dim']}={bucket['size']}" if bucket else "its only shape"
         header = [f"Dispatch spec of {profile['model_id']} ({where_tuned}) for {profile['target']}, "
                   f"written by `dsa tune-dispatches`; evidence in {evidence.name}.",
-                  "Each entry matches a dispatch's root op as IREE configures it and sets the measured lowering_config."]
+                  "Each entry matches a dispatch's root op as IREE configures it and sets the measured lowering_config"
+                  " (and, where it says so, the ukernels its dispatch is lowered with)."]
+        if rewrites:
+            header.append("Its preprocess entries are carried from the spec the profile was taken with "
+                          f"({', '.join(r['name'] for r in rewrites)}): their evidence is under carried_rewrites.")
         spec_tmp = work / out.name
-        dispatch_spec.write_spec_file(spec_tmp, entries, header)
+        dispatch_spec.write_spec_file(spec_tmp, entries, header, rewrites)
         tuned = work / "tuned.vmfb"
         counts = dispatch_spec.compile_with_spec(
             profile_dir / "executable_sources.mlir", flags, spec_tmp, tuned, where,
-            lambda m, f, o: run_iree_compile(m, f, o, where), start_flags=["--compile-from=executable-sources"])
+            lambda m, f, o: run_iree_compile(m, f, o, where), start_flags=["--compile-from=executable-sources"],
+            preprocessed=True)
         unmatched = [n for n, c in counts.items() if not c]
         if unmatched:
             raise DsaError(where, f"the spec's entries {', '.join(unmatched)} match no op of the whole model",
@@ -532,6 +699,39 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
         check = model_check({"untuned": untuned, "tuned": tuned}, params, _input_flags(profile_dir, profile), driver,
                             max(2 * rounds, 10), work, where)
         return _keep_if_faster(result, check, counts, spec_tmp, out, evidence, tuning_file, where, log)
+
+
+def carried_rewrites(profile: dict, tuning_file: Optional[Path], where: str) -> Tuple[List[dict], Optional[dict]]:
+    """The preprocess entries the profile was compiled with (its executables exist only with them, so the new
+    spec keeps them) and their evidence, read from the spec `tuning_file` pins; none when the profile matched
+    none. The tune entries of that spec are not carried: the search measures their dispatches afresh."""
+    used = sorted(n for n, c in (profile.get("dispatch_spec") or {}).items() if c)
+    if not used:
+        return [], None
+    if tuning_file is None:
+        raise DsaError(where, f"was profiled with a dispatch spec whose entries {', '.join(used)} matched",
+                       "pass --tuning with the tuning file that pins that spec: its preprocess entries are kept in "
+                       "the new spec (the profiled executables exist only with them)")
+    tuning = read_json(tuning_file)
+    pin = tuning.get("dispatch_spec")
+    if not pin:
+        raise DsaError(str(tuning_file), "pins no dispatch spec, but the profile was taken with one",
+                       "profile with the tuning file the spec belongs to")
+    spec = tuning_file.parent / pin["file"]
+    rewrites = dispatch_spec.spec_rewrites(spec, str(spec))
+    names = [r["name"] for r in rewrites]
+    stale = [n for n in used if n not in names and n not in dispatch_spec.spec_entries(spec, str(spec))]
+    if stale:
+        raise DsaError(where, f"was profiled with entries {', '.join(stale)} that {spec.name} does not have",
+                       "profile again with this tuning file")
+    if not rewrites:
+        return [], None
+    old = spec.with_name(spec.name[:-len(".spec.mlir")] + ".spec.evidence.json")
+    evidence = read_json(old) if old.is_file() else {}
+    return rewrites, {"entries": names, "from": spec.name, "sha256": sha256_file(spec),
+                      "rewrites": evidence.get("rewrites", evidence.get("carried_rewrites", {}).get("rewrites")),
+                      "model": evidence.get("model") if "rewrites" in evidence
+                      else evidence.get("carried_rewrites", {}).get("model")}
 
 
 def _read_profile(profile_dir: Path, params: Optional[Path]) -> Tuple[dict, Path]:

@@ -251,6 +251,16 @@ def test_standalone_benchmark_takes_the_executable_from_the_sources():
         dispatch_tune.standalone_benchmark(bench, sources, "e2")
 
 
+def tuned_or_refused(tune, out: Path, evidence: Path) -> dict:
+    """The tuner's result, or, where the whole model measured slower with the spec (timings decide), the
+    evidence it wrote after refusing, with nothing else written."""
+    try:
+        return tune()
+    except DsaError as e:
+        assert "not faster with the spec" in str(e) and not out.exists()
+        return json.loads(evidence.read_text())
+
+
 def test_tuner_end_to_end_writes_a_spec_that_matches_and_pins_it_or_says_why_not(tmp_path):
     """`dsa tune-dispatches` on a profile directory of a one-convolution model: every dispatch it tries has
     evidence; a spec, when one is written, matches the whole model, is pinned in the tuning file, and compiles;
@@ -283,12 +293,9 @@ def test_tuner_end_to_end_writes_a_spec_that_matches_and_pins_it_or_says_why_not
     tuning.write_text(json.dumps({k: v for k, v in json.loads(tuning.read_text()).items() if k != "dispatch_spec"}))
     out = tmp_path / "resnet_policy.x86_64-v4.spec.mlir"
     evidence = tmp_path / "resnet_policy.x86_64-v4.spec.evidence.json"
-    try:
-        result = dispatch_tune.tune(profile_dir, out, evidence, params=params, top=4, rounds=2, min_time=0.05,
-                                    keep_below=0.9, keep=None, tuning_file=tuning, log=lambda _: None)
-    except DsaError as e:  # the whole model measured slower with the spec: refused, nothing written, evidence kept
-        assert "not faster with the spec" in str(e) and not out.exists()
-        result = json.loads(evidence.read_text())
+    result = tuned_or_refused(lambda: dispatch_tune.tune(
+        profile_dir, out, evidence, params=params, top=4, rounds=2, min_time=0.05, keep_below=0.9, keep=None,
+        tuning_file=tuning, log=lambda _: None), out, evidence)
     assert json.loads(evidence.read_text()) == json.loads(json.dumps(result))
     rows = result["dispatches"]
     assert len(rows) == 1 and rows[0]["entry"] == "conv_64x16x20x64x3x3_f32"  # one convolution: one row
@@ -467,14 +474,28 @@ def test_a_winograd_filter_is_transformed_at_load_within_the_const_expr_limit_an
     assert text.startswith("util.initializer", where) == at_load, text[where:where + 200]
 
 
+def v3_tuner_case(tmp_path: Path):
+    """(a parameter archive the tuner's model check loads, resnet_policy's x86-64-v3 tuning without its spec,
+    the spec and evidence paths to write) in `tmp_path`."""
+    import subprocess
+
+    from dsa.tools.profiler.runner import runtime_tool_path
+
+    params = tmp_path / "params.irpa"
+    subprocess.run([runtime_tool_path("iree-create-parameters"), "--data=unused=4xf32", f"--output={params}"],
+                   check=True, capture_output=True)
+    tuning = tmp_path / "resnet_policy.x86_64-v3.json"
+    tuning.write_text(json.dumps({k: v for k, v in json.loads(runfile(
+        "toolchains/tuning/resnet_policy.x86_64-v3.json").read_text()).items() if k != "dispatch_spec"}))
+    return (params, tuning, tmp_path / "resnet_policy.x86_64-v3.spec.mlir",
+            tmp_path / "resnet_policy.x86_64-v3.spec.evidence.json")
+
+
 def test_winograd_tuner_end_to_end_writes_a_spec_that_matches_and_pins_it_or_says_why_not(tmp_path):
     """`dsa tune-dispatches --winograd` on a profile directory of a one-convolution model: the weight shape is
     measured both ways; a spec, when one is written, rewrites the model's convolution, is pinned and keeps its
     outputs; when none is, the evidence says why (timings decide which: both outcomes are correct)."""
-    import subprocess
-
     from dsa.runtime import host
-    from dsa.tools.profiler.runner import runtime_tool_path
 
     if not host.runs_here(json.loads(runfile("toolchains/targets/x86_64-v3.json").read_text())):
         pytest.skip("the tuner times x86-64-v3 modules, which this CPU cannot run")
@@ -489,20 +510,10 @@ def test_winograd_tuner_end_to_end_writes_a_spec_that_matches_and_pins_it_or_say
     (profile_dir / "profile.json").write_text(json.dumps({
         "model_id": "conv", "target": "x86_64-v3", "bucket": None, "flags": v3_flags(),
         "inputs": {"x": [1, 64, 26, 32], "w": [64, 64, 3, 3]}, "dispatches": []}))
-    params = tmp_path / "params.irpa"
-    subprocess.run([runtime_tool_path("iree-create-parameters"), "--data=unused=4xf32", f"--output={params}"],
-                   check=True, capture_output=True)
-    tuning = tmp_path / "resnet_policy.x86_64-v3.json"
-    tuning.write_text(json.dumps({k: v for k, v in json.loads(runfile(
-        "toolchains/tuning/resnet_policy.x86_64-v3.json").read_text()).items() if k != "dispatch_spec"}))
-    out = tmp_path / "resnet_policy.x86_64-v3.spec.mlir"
-    evidence = tmp_path / "resnet_policy.x86_64-v3.spec.evidence.json"
-    try:
-        result = dispatch_tune.tune_rewrites(profile_dir, out, evidence, params=params, rounds=2, min_time=0.05,
-                                             keep_below=0.9, keep=None, tuning_file=tuning, log=lambda _: None)
-    except DsaError as e:  # the whole model measured slower with the spec: refused, nothing written, evidence kept
-        assert "not faster with the spec" in str(e) and not out.exists()
-        result = json.loads(evidence.read_text())
+    params, tuning, out, evidence = v3_tuner_case(tmp_path)
+    result = tuned_or_refused(lambda: dispatch_tune.tune_rewrites(
+        profile_dir, out, evidence, params=params, rounds=2, min_time=0.05, keep_below=0.9, keep=None,
+        tuning_file=tuning, log=lambda _: None), out, evidence)
     rows = result["rewrites"]
     assert [r["entry"] for r in rows] == ["conv3x3_64x64"] and rows[0]["convolutions"] == 1
     assert rows[0]["default_us"] > 0 and rows[0]["winograd_us"] > 0
@@ -513,3 +524,198 @@ def test_winograd_tuner_end_to_end_writes_a_spec_that_matches_and_pins_it_or_say
         assert dispatch_spec.spec_parts(out) == {"preprocess": ["conv3x3_64x64"], "tune": []}
     else:
         assert "dispatch_spec" not in json.loads(tuning.read_text())
+
+
+# -- matmul entries: the ukernel extent and the ukernels per dispatch (x86-64-v3) --------------------------
+
+# A batch matmul whose N (16) is smaller than its M (96): IREE's CPU data tiling computes its transpose
+# (batch_mmt4d with the operands swapped) and unpacks the result transposed, in the matmul's dispatch. On
+# x86 the unpack ukernel has no transposing fast path; the tuner times the dispatch without it.
+BMM = """
+func.func @main(%a: tensor<4x96x16xf32>, %b: tensor<4x16x16xf32>) -> tensor<4x96x16xf32> {
+  %zero = arith.constant 0.0 : f32
+  %empty = tensor.empty() : tensor<4x96x16xf32>
+  %init = linalg.fill ins(%zero : f32) outs(%empty : tensor<4x96x16xf32>) -> tensor<4x96x16xf32>
+  %y = linalg.batch_matmul ins(%a, %b : tensor<4x96x16xf32>, tensor<4x16x16xf32>)
+      outs(%init : tensor<4x96x16xf32>) -> tensor<4x96x16xf32>
+  return %y : tensor<4x96x16xf32>
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def bmm_case(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bmm")
+    mlir = tmp / "bmm.mlir"
+    mlir.write_text(BMM)
+    configured = tmp / "bmm.configured.mlir"
+    run_iree_compile(mlir, [*v3_flags(), f"--compile-to={dispatch_spec.CONFIGURED_PHASE}"], configured, "test")
+    text = configured.read_text()
+    roots = [r for r in dispatch_spec.configured_root_ops(text) if dispatch_tune.mmt4d_shape(r["op"])]
+    assert len(roots) == 1, [r["op"][:100] for r in roots]
+    variant = text[text.rindex("hal.executable.variant", 0, text.index(roots[0]["op"].split("\n")[0])):]
+    return tmp, mlir, roots[0], "#hal.executable.target" + variant[variant.index("target(") + 7:variant.index(") {")]
+
+
+def _ukernel_calls(dump: Path, name: str) -> int:
+    return sum(f.read_text().count(f"call i32 @iree_uk_{name}(") for f in dump.glob("*.codegen.ll"))
+
+
+def test_tuner_reads_the_data_tiled_matmul_and_its_transposed_unpack(bmm_case):
+    _, _, root, target = bmm_case
+    assert dispatch_tune.mmt4d_shape(root["op"]) == {"batched": 1, "b": 4, "m1": 2, "k1": 16, "m0": 8, "k0": 1,
+                                                     "n1": 12, "n0": 8}  # the transpose: M is B's 16 columns
+    candidates = dispatch_tune.mmt4d_candidates(root["op"], root["lowering_config"])
+    default = dispatch_tune.parse_config(root["lowering_config"])
+    assert candidates
+    for _, config in candidates:  # the ukernel's extent (m1 x n1 tiles per call), a workgroup holding whole calls
+        fields = dispatch_tune.parse_config(config)
+        vcp, dist = fields["vector_common_parallel"], fields["distribution"]
+        assert vcp[0] == 1 and vcp[3:] == default["vector_common_parallel"][3:] and vcp[1:3] != [1, 1]
+        assert dist[1] % vcp[1] == 0 and dist[2] % vcp[2] == 0
+    for _, config in dispatch_tune.mmt4d_distribution_candidates(root["op"], root["lowering_config"]):
+        d = dispatch_tune.parse_config(config)["distribution"]
+        assert 4 * -(-2 // d[1]) * -(-12 // d[2]) >= dispatch_tune.MIN_WORKGROUPS
+    assert 'ukernels = "all"' in target
+    assert dispatch_tune.ukernel_alternatives(f'ukernels = "all"\n{root["op"]}\n%u = linalg.unpack %x') == ["mmt4d,pack"]
+    assert dispatch_tune.ukernel_alternatives(f'ukernels = "mmt4d"\n%u = linalg.unpack %x') == []
+
+
+def test_a_ukernels_entry_lowers_its_dispatch_without_the_unpack_ukernel_and_computes_the_same(bmm_case):
+    """An entry may set the ukernels its dispatch is lowered with: it annotates the dispatch function with the
+    variant's target but those ukernels, which IREE's codegen looks up before the variant's. The transposed
+    unpack is then vectorised instead of calling the ukernel's element-by-element path; the results agree."""
+    tmp, mlir, root, target = bmm_case
+    compile_ = lambda m, f, o: run_iree_compile(m, f, o, "test")
+    spec = tmp / "uk.spec.mlir"
+    entry = {"name": "bmm_96x16", "op": root["op"], "lowering_config": root["lowering_config"],
+             "ukernels": "mmt4d,pack", "target": target}
+    dispatch_spec.write_spec_file(spec, [entry], ["test spec"])
+    untuned_dump, tuned_dump = tmp / "untuned", tmp / "tuned"
+    compile_(mlir, [*v3_flags(), f"--iree-hal-dump-executable-intermediates-to={untuned_dump}"], tmp / "u.vmfb")
+    counts = dispatch_spec.compile_with_spec(
+        mlir, [*v3_flags(), f"--iree-hal-dump-executable-intermediates-to={tuned_dump}"], spec, tmp / "t.vmfb",
+        "test", compile_)
+    assert counts == {"bmm_96x16": 1}
+    assert _ukernel_calls(untuned_dump, "unpack") >= 1 and _ukernel_calls(untuned_dump, "mmt4d") == 1
+    assert _ukernel_calls(tuned_dump, "unpack") == 0 and _ukernel_calls(tuned_dump, "mmt4d") == 1
+    from dsa.runtime import host
+
+    if not host.runs_here(json.loads(runfile("toolchains/targets/x86_64-v3.json").read_text())):
+        pytest.skip("this CPU cannot run x86-64-v3 modules")
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((4, 96, 16)).astype(np.float32)
+    b = rng.standard_normal((4, 16, 16)).astype(np.float32)
+    expected = np.einsum("bmk,bkn->bmn", a.astype(np.float64), b.astype(np.float64))
+    for vmfb in (tmp / "u.vmfb", tmp / "t.vmfb"):
+        np.testing.assert_allclose(run(vmfb, a, b), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ukernels, target, message", [
+    ("mmt4d;pack", '#hal.executable.target<"llvm-cpu", "x", {ukernels = "all"}>', "not a set of IREE's CPU ukernels"),
+    ("mmt4d,pack", '#hal.executable.target<"llvm-cpu", "x", {cpu = "x86-64-v3"}>', "cannot set the ukernels"),
+    ("mmt4d,pack", '<"llvm-cpu", "x", {ukernels = "all"}>', "cannot set the ukernels"),
+])
+def test_ukernels_entries_that_cannot_be_written_are_refused_naming_them(bmm_case, ukernels, target, message):
+    _, _, root, _ = bmm_case
+    entry = {"name": "bmm", "op": root["op"], "lowering_config": root["lowering_config"], "ukernels": ukernels,
+             "target": target}
+    with pytest.raises(DsaError, match=message):
+        dispatch_spec.write_spec([entry])
+
+
+def test_preprocess_entries_read_back_as_written_and_a_foreign_one_is_refused(tmp_path):
+    rewrites = [winograd("conv3x3_64x64", 64), winograd("conv3x3_128x128", 128)]
+    spec = tmp_path / "s.spec.mlir"
+    dispatch_spec.write_spec_file(spec, [], ["h"], rewrites)
+    assert dispatch_spec.spec_rewrites(spec) == rewrites
+    spec.write_text(spec.read_text().replace("transform.iree.match.cast_compatible_type %w = tensor<128x128x3x3xf32>",
+                                             "transform.match.operation_name %w [\"x\"]"))
+    with pytest.raises(DsaError, match="preprocess entry 'conv3x3_128x128' is not one"):
+        dispatch_spec.spec_rewrites(spec)
+
+
+def test_the_tile_tuner_keeps_the_preprocess_entries_a_profile_was_taken_with_or_asks_for_them(tmp_path):
+    """Profiled with a spec's Winograd entries, the model's executables exist only with them: the tile tuner
+    carries them (and their evidence) into the spec it writes, from the spec the tuning file pins, and refuses
+    to go on without that tuning file instead of writing a spec that would lose them."""
+    spec, _, _, _ = v3_case(tmp_path, [winograd("conv3x3_64x64", 64)])
+    (tmp_path / "resnet_policy.x86_64-v3.spec.evidence.json").write_text(json.dumps(
+        {"rewrites": [{"entry": "conv3x3_64x64", "chosen": "winograd"}], "model": {"parity": True}}))
+    profile = {"dispatch_spec": {"conv3x3_64x64": 4}}
+    with pytest.raises(DsaError, match="entries conv3x3_64x64 matched.*pass --tuning"):
+        dispatch_tune.carried_rewrites(profile, None, "profile")
+    rewrites, evidence = dispatch_tune.carried_rewrites(profile, tmp_path / "resnet_policy.x86_64-v3.json", "p")
+    assert rewrites == [winograd("conv3x3_64x64", 64)]
+    assert evidence["entries"] == ["conv3x3_64x64"] and evidence["sha256"] == sha256_file(spec)
+    assert evidence["rewrites"] == [{"entry": "conv3x3_64x64", "chosen": "winograd"}] and evidence["model"]["parity"]
+    with pytest.raises(DsaError, match="entries conv3x3_32x32 that .* does not have"):
+        dispatch_tune.carried_rewrites({"dispatch_spec": {"conv3x3_32x32": 1}},
+                                       tmp_path / "resnet_policy.x86_64-v3.json", "p")
+    assert dispatch_tune.carried_rewrites({"dispatch_spec": {}}, None, "p") == ([], None)
+
+
+def test_matmul_tuner_end_to_end_searches_extents_and_ukernels_and_pins_a_spec_or_says_why_not(tmp_path):
+    """`dsa tune-dispatches` on a profile directory of a one-batch-matmul model (x86-64-v3): the dispatch is
+    timed with other ukernel extents and without the unpack ukernel; a spec, when one is written, matches the
+    whole model, keeps its outputs and is pinned; when none is, the evidence says why (timings decide which)."""
+    from dsa.runtime import host
+
+    if not host.runs_here(json.loads(runfile("toolchains/targets/x86_64-v3.json").read_text())):
+        pytest.skip("the tuner times x86-64-v3 modules, which this CPU cannot run")
+    profile_dir = tmp_path / "profile"
+    profile_dir.mkdir()
+    (profile_dir / "model.mlir").write_text(BMM)
+    run_iree_compile(profile_dir / "model.mlir", [*v3_flags(), "--compile-to=executable-sources"],
+                     profile_dir / "executable_sources.mlir", "test")
+    functions = [l.split("@", 1)[1].split("(")[0] for l in
+                 (profile_dir / "executable_sources.mlir").read_text().splitlines() if "func.func @" in l]
+    rng = np.random.default_rng(0)
+    np.save(profile_dir / "input0_a.npy", rng.standard_normal((4, 96, 16)).astype(np.float32))
+    np.save(profile_dir / "input1_b.npy", rng.standard_normal((4, 16, 16)).astype(np.float32))
+    (profile_dir / "profile.json").write_text(json.dumps({
+        "model_id": "bmm", "target": "x86_64-v3", "bucket": None, "flags": v3_flags(),
+        "inputs": {"a": [4, 96, 16], "b": [4, 16, 16]},
+        "dispatches": [{"name": f, "total_ms": 1.0, "count": 1} for f in functions]}))
+    params, tuning, out, evidence = v3_tuner_case(tmp_path)
+    result = tuned_or_refused(lambda: dispatch_tune.tune(
+        profile_dir, out, evidence, params=params, top=4, rounds=2, min_time=0.05, keep_below=0.9, keep=None,
+        tuning_file=tuning, log=lambda _: None), out, evidence)
+    rows = result["dispatches"]
+    assert [r["entry"] for r in rows] == ["matmul_like_4x96x16x16_f32"]
+    assert "carried_rewrites" not in result
+    assert rows[0]["candidates"] > 0 and rows[0]["finalists"]
+    assert ("chosen" in rows[0]) != ("kept_default" in rows[0])
+    if out.exists():
+        assert result["model"]["parity"] and result["model"]["matched"] == {rows[0]["entry"]: 1}
+        assert load_tuning(tuning)["dispatch_spec"] == {"file": out.name, "sha256": sha256_file(out)}
+        assert dispatch_spec.spec_parts(out) == {"preprocess": [], "tune": [rows[0]["entry"]]}
+        assert ('ukernels = "mmt4d,pack"' in out.read_text()) == ("chosen_ukernels" in rows[0])
+    else:
+        assert "dispatch_spec" not in json.loads(tuning.read_text())
+
+
+def test_a_candidate_that_fails_to_run_is_dropped_and_recorded_and_iree_own_failing_stops_the_search(bmm_case):
+    """A tile IREE compiles may still crash when run (measured: a 8x32-tile ukernel extent of ACT's stem
+    matmul): the search drops that candidate, says why in the evidence, and goes on; when IREE's own
+    configuration cannot run, there is nothing to compare against and the search stops, naming the command."""
+    from dsa.runtime import host
+
+    if not host.runs_here(json.loads(runfile("toolchains/targets/x86_64-v3.json").read_text())):
+        pytest.skip("this CPU cannot run x86-64-v3 modules")
+    tmp, _, root, _ = bmm_case
+    configured = (tmp / "bmm.configured.mlir").read_text()
+    work = tmp / "bench"
+    work.mkdir(exist_ok=True)
+    bench = dispatch_tune.Bench(configured, root["lowering_config"], work, "local-task", "bmm",
+                                inputs=["--input=4x96x16xf32=1", "--input=4x16x16xf32=1"])
+    assert bench.compile("default", root["lowering_config"])
+    broken = work / "broken.vmfb"
+    broken.write_bytes(b"not a module")
+    bench.modules["broken"] = broken
+    result = bench.rounds(["broken"], 2, 0.01, seed=0)
+    assert set(result) == {"default"} and bench.failed["broken"].startswith("failed to run: ")
+    assert "iree-benchmark-module" in bench.failed["broken"]
+    bench.modules["default"] = broken
+    with pytest.raises(DsaError, match="iree-benchmark-module failed"):
+        bench.rounds([], 1, 0.01, seed=0)
