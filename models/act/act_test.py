@@ -28,7 +28,7 @@ from dsa.core.fileio import read_json, sha256_file
 from dsa.frontends.lerobot import reference_actions
 from dsa.runtime.host import runs_here
 from dsa.runtime.policy import CompiledPolicy, ModuleIndex, builds_of, sample_inputs
-from dsa.stages.dispatch_spec import spec_entries
+from dsa.stages.dispatch_spec import spec_entries, spec_parts
 from dsa.tools.testing import runfile
 
 INDEX = runfile("models/act.modules.json")
@@ -102,20 +102,27 @@ RESNET18_STRIDE1_CONV3X3 = {"conv3x3_64x64": 4, "conv3x3_128x128": 3, "conv3x3_2
 
 def test_the_avx2_build_computes_the_convolutions_its_spec_names_by_winograd_in_every_bucket():
     """toolchains/tuning/resnet_policy.x86_64-v3.spec.mlir chooses Winograd per weight shape of the 3×3 stride-1
-    convolutions (`dsa tune-dispatches --winograd`); each entry matches every convolution of its shape, whatever
-    the batch. They match only once split_conv_bias has split off the bias that batch-norm folding gave them: a
-    build where they match nothing has lost the rewrite (and the parity tests above check what it computes)."""
+    convolutions (`dsa tune-dispatches --winograd`); each such entry matches every convolution of its shape,
+    whatever the batch. They match only once split_conv_bias has split off the bias that batch-norm folding gave
+    them: a build where they match nothing has lost the rewrite (and the parity tests above check what it
+    computes). Its tile entries (`dsa tune-dispatches`, measured on the batch-1 module: Winograd's batch matmuls
+    among them) match that module's dispatches only; the batch-4 module has other shapes and says so."""
     spec = runfile("toolchains/tuning/resnet_policy.x86_64-v3.spec.mlir")
     tuning = read_json(runfile("toolchains/tuning/resnet_policy.x86_64-v3.json"))
     assert tuning["dispatch_spec"] == {"file": spec.name, "sha256": sha256_file(spec)}
-    entries = spec_entries(spec)
-    assert entries and set(entries) <= set(RESNET18_STRIDE1_CONV3X3)
+    parts = spec_parts(spec)
+    rewrites, tiles = parts["preprocess"], parts["tune"]
+    assert rewrites and set(rewrites) <= set(RESNET18_STRIDE1_CONV3X3)
     index = BUILDS["x86_64-v3"]
-    for vmfb, _ in ModuleIndex.read(index).modules:
-        report = read_json(index.parent / vmfb.replace(".vmfb", ".compile_report.json"))
-        assert report["dispatch_spec"]["unmatched"] == [], vmfb
-        assert report["dispatch_spec"]["matched"] == {e: RESNET18_STRIDE1_CONV3X3[e] for e in entries}, vmfb
-        assert (index.parent / vmfb).read_bytes().count(b"winograd_input_transform") >= len(entries), vmfb
+    reports = [(vmfb, read_json(index.parent / vmfb.replace(".vmfb", ".compile_report.json")))
+               for vmfb, _ in ModuleIndex.read(index).modules]
+    for vmfb, report in reports:
+        matched = report["dispatch_spec"]["matched"]
+        assert {e: matched.get(e) for e in rewrites} == {e: RESNET18_STRIDE1_CONV3X3[e] for e in rewrites}, vmfb
+        assert (index.parent / vmfb).read_bytes().count(b"winograd_input_transform") >= len(rewrites), vmfb
+    (_, batch1), (_, batch4) = reports
+    assert batch1["dispatch_spec"]["unmatched"] == [] and set(tiles) <= set(batch1["dispatch_spec"]["matched"])
+    assert sorted(batch4["dispatch_spec"]["unmatched"]) == sorted(tiles)
 
 
 @pytest.mark.parametrize("target", sorted(set(BUILDS) - set(RUNNABLE)))
