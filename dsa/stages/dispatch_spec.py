@@ -55,6 +55,8 @@ REWRITTEN_ATTR = "dsa.rewritten"
 INPUT_PHASE = "input"
 # The rewrites a `@rewrite_<name>` entry may ask for: the marker IREE's pass reads, and that pass.
 REWRITES = {"winograd": ("__winograd_conv", "iree-linalg-ext-convert-conv2d-to-winograd")}
+# What each rewrite leaves in the IR it rewrote (how a tool tells that IR was compiled with such entries).
+REWRITE_PRODUCTS = {"winograd": "iree_linalg_ext.winograd.input_transform"}
 # An entry's name: what `dsa profile` calls the dispatch's op (conv_512x15x20x512x3x3_f32), made a symbol.
 ENTRY_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,127}")
 _MATCH_SEQUENCE = re.compile(r"transform\.named_sequence @match_([A-Za-z0-9_]+)\(")

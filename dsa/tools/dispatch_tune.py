@@ -619,12 +619,12 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
         work.mkdir(parents=True, exist_ok=True)
         bench_dir = work / "benchmarks"
         untuned = work / "untuned.vmfb"
-        rewrites, rewrite_evidence = carried_rewrites(profile, tuning_file, where)
+        sources = (profile_dir / "executable_sources.mlir").read_text()
+        rewrites, rewrite_evidence = carried_rewrites(profile, sources, tuning_file, where)
         log(f"compiling {profile['model_id']} for {profile['target']} with its executables' benchmarks")
         run_iree_compile(profile_dir / "executable_sources.mlir",
                          flags + ["--compile-from=executable-sources",
                                   f"--iree-hal-dump-executable-benchmarks-to={bench_dir}"], untuned, where)
-        sources = (profile_dir / "executable_sources.mlir").read_text()
         rows, skipped, entries, seen = [], [], [], {}
         dispatches = sorted(profile["dispatches"], key=lambda d: -d["total_ms"])
         for d in dispatches[:top]:
@@ -701,37 +701,38 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
         return _keep_if_faster(result, check, counts, spec_tmp, out, evidence, tuning_file, where, log)
 
 
-def carried_rewrites(profile: dict, tuning_file: Optional[Path], where: str) -> Tuple[List[dict], Optional[dict]]:
-    """The preprocess entries the profile was compiled with (its executables exist only with them, so the new
-    spec keeps them) and their evidence, read from the spec `tuning_file` pins; none when the profile matched
-    none. The tune entries of that spec are not carried: the search measures their dispatches afresh."""
-    used = sorted(n for n, c in (profile.get("dispatch_spec") or {}).items() if c)
-    if not used:
+def carried_rewrites(profile: dict, sources: str, tuning_file: Optional[Path], where: str
+                     ) -> Tuple[List[dict], Optional[dict]]:
+    """The preprocess entries the profile was compiled with and their evidence, read from the spec
+    `tuning_file` pins: its executables (`sources`) exist only with them, so the new spec keeps them. None when
+    the executables hold no op a rewrite makes. The tune entries of that spec are not carried: the search
+    measures their dispatches afresh."""
+    rewritten = [kind for kind, product in dispatch_spec.REWRITE_PRODUCTS.items() if product in sources]
+    if not rewritten:
         return [], None
     if tuning_file is None:
-        raise DsaError(where, f"was profiled with a dispatch spec whose entries {', '.join(used)} matched",
+        raise DsaError(where, f"was profiled with a dispatch spec's {', '.join(rewritten)} entries (its "
+                              "executables hold the ops they make)",
                        "pass --tuning with the tuning file that pins that spec: its preprocess entries are kept in "
                        "the new spec (the profiled executables exist only with them)")
-    tuning = read_json(tuning_file)
-    pin = tuning.get("dispatch_spec")
-    if not pin:
-        raise DsaError(str(tuning_file), "pins no dispatch spec, but the profile was taken with one",
-                       "profile with the tuning file the spec belongs to")
-    spec = tuning_file.parent / pin["file"]
-    rewrites = dispatch_spec.spec_rewrites(spec, str(spec))
-    names = [r["name"] for r in rewrites]
-    stale = [n for n in used if n not in names and n not in dispatch_spec.spec_entries(spec, str(spec))]
+    pin = read_json(tuning_file).get("dispatch_spec")
+    spec = tuning_file.parent / pin["file"] if pin else None
+    rewrites = dispatch_spec.spec_rewrites(spec, str(spec)) if spec else []
+    if not rewrites:
+        raise DsaError(str(tuning_file), f"pins no dispatch spec with preprocess entries, but the profile's "
+                                         f"executables were rewritten ({', '.join(rewritten)})",
+                       "profile with the tuning file whose spec made them")
+    used = sorted(n for n, c in (profile.get("dispatch_spec") or {}).items() if c)
+    stale = [n for n in used if n not in dispatch_spec.spec_entries(spec, str(spec))]
     if stale:
         raise DsaError(where, f"was profiled with entries {', '.join(stale)} that {spec.name} does not have",
                        "profile again with this tuning file")
-    if not rewrites:
-        return [], None
     old = spec.with_name(spec.name[:-len(".spec.mlir")] + ".spec.evidence.json")
     evidence = read_json(old) if old.is_file() else {}
-    return rewrites, {"entries": names, "from": spec.name, "sha256": sha256_file(spec),
-                      "rewrites": evidence.get("rewrites", evidence.get("carried_rewrites", {}).get("rewrites")),
-                      "model": evidence.get("model") if "rewrites" in evidence
-                      else evidence.get("carried_rewrites", {}).get("model")}
+    carried = evidence.get("carried_rewrites") or {}
+    return rewrites, {"entries": [r["name"] for r in rewrites], "from": spec.name, "sha256": sha256_file(spec),
+                      "rewrites": evidence["rewrites"] if "rewrites" in evidence else carried.get("rewrites"),
+                      "model": evidence.get("model") if "rewrites" in evidence else carried.get("model")}
 
 
 def _read_profile(profile_dir: Path, params: Optional[Path]) -> Tuple[dict, Path]:

@@ -636,23 +636,30 @@ def test_preprocess_entries_read_back_as_written_and_a_foreign_one_is_refused(tm
 
 
 def test_the_tile_tuner_keeps_the_preprocess_entries_a_profile_was_taken_with_or_asks_for_them(tmp_path):
-    """Profiled with a spec's Winograd entries, the model's executables exist only with them: the tile tuner
-    carries them (and their evidence) into the spec it writes, from the spec the tuning file pins, and refuses
-    to go on without that tuning file instead of writing a spec that would lose them."""
+    """Profiled with a spec's Winograd entries, the model's executables exist only with them (they hold
+    Winograd's ops): the tile tuner carries the entries (and their evidence) into the spec it writes, from the
+    spec the tuning file pins, and refuses to go on without that tuning file instead of writing a spec that
+    would lose them. A profile without rewritten ops (an AVX-512 one, tile entries only) needs neither."""
     spec, _, _, _ = v3_case(tmp_path, [winograd("conv3x3_64x64", 64)])
+    tuning = tmp_path / "resnet_policy.x86_64-v3.json"
     (tmp_path / "resnet_policy.x86_64-v3.spec.evidence.json").write_text(json.dumps(
         {"rewrites": [{"entry": "conv3x3_64x64", "chosen": "winograd"}], "model": {"parity": True}}))
+    sources = "%1 = iree_linalg_ext.winograd.input_transform output_tile_size(6) ..."
     profile = {"dispatch_spec": {"conv3x3_64x64": 4}}
-    with pytest.raises(DsaError, match="entries conv3x3_64x64 matched.*pass --tuning"):
-        dispatch_tune.carried_rewrites(profile, None, "profile")
-    rewrites, evidence = dispatch_tune.carried_rewrites(profile, tmp_path / "resnet_policy.x86_64-v3.json", "p")
+    with pytest.raises(DsaError, match="profiled with a dispatch spec's winograd entries.*pass --tuning"):
+        dispatch_tune.carried_rewrites(profile, sources, None, "profile")
+    rewrites, evidence = dispatch_tune.carried_rewrites(profile, sources, tuning, "p")
     assert rewrites == [winograd("conv3x3_64x64", 64)]
     assert evidence["entries"] == ["conv3x3_64x64"] and evidence["sha256"] == sha256_file(spec)
     assert evidence["rewrites"] == [{"entry": "conv3x3_64x64", "chosen": "winograd"}] and evidence["model"]["parity"]
     with pytest.raises(DsaError, match="entries conv3x3_32x32 that .* does not have"):
-        dispatch_tune.carried_rewrites({"dispatch_spec": {"conv3x3_32x32": 1}},
-                                       tmp_path / "resnet_policy.x86_64-v3.json", "p")
-    assert dispatch_tune.carried_rewrites({"dispatch_spec": {}}, None, "p") == ([], None)
+        dispatch_tune.carried_rewrites({"dispatch_spec": {"conv3x3_32x32": 1}}, sources, tuning, "p")
+    no_spec = tmp_path / "no_spec.json"
+    no_spec.write_text(json.dumps({k: v for k, v in json.loads(tuning.read_text()).items() if k != "dispatch_spec"}))
+    with pytest.raises(DsaError, match="pins no dispatch spec with preprocess entries"):
+        dispatch_tune.carried_rewrites(profile, sources, no_spec, "p")
+    tiles_only = {"dispatch_spec": {"conv_512x15x20x512x3x3_f32": 1}}
+    assert dispatch_tune.carried_rewrites(tiles_only, "%1 = linalg.generic", None, "p") == ([], None)
 
 
 def test_matmul_tuner_end_to_end_searches_extents_and_ukernels_and_pins_a_spec_or_says_why_not(tmp_path):
