@@ -82,6 +82,9 @@ def _preprocessing_pipeline(value: Optional[str]) -> Optional[str]:
 
 
 # Code generation and optimisation: what a tuning (and a target spec) may set.
+# The ukernels a CPU module is lowered with: the flag's value, and a dispatch spec entry's (dispatch_spec.py).
+UKERNEL_SETS = r"none|default|all|[a-z0-9_]+(,[a-z0-9_]+)*"
+
 CODEGEN_FLAGS: Dict[str, Callable[[Optional[str]], Optional[str]]] = {
     "--iree-opt-level": _choice("O0", "O1", "O2", "O3"),
     "--iree-opt-data-tiling": _boolean,
@@ -92,8 +95,8 @@ CODEGEN_FLAGS: Dict[str, Callable[[Optional[str]], Optional[str]]] = {
     # of every call, and held in memory. Bounded: a limit past every weight hoists expressions of GBs (measured
     # on ACT: 12 GB resident with 1 GiB).
     "--iree-opt-const-expr-max-size-increase-threshold": _byte_count(1, 256 * _MiB),
-    "--iree-llvmcpu-enable-ukernels": _pattern(r"none|default|all|[a-z0-9_]+(,[a-z0-9_]+)*",
-                                               "none, default, all or a comma-separated list of ukernel names"),
+    "--iree-llvmcpu-enable-ukernels": _pattern(UKERNEL_SETS, "none, default, all or a comma-separated list of "
+                                                             "ukernel names"),
     # A function's stack; the runtime's worker stack must hold it (runtime_flags), up to 8 MiB.
     "--iree-llvmcpu-stack-allocation-limit": _byte_count(1, 8 * _MiB),
     "--iree-llvmcpu-matmul-tile-bytes": _byte_count(1, 16 * _MiB),

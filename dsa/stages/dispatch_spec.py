@@ -45,6 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from dsa.core.errors import DsaError
 from dsa.core.fileio import atomic_output, sha256_file
+from dsa.stages.compile_flags import UKERNEL_SETS
 from dsa.stages.iree_tools import first_error_line, iree_compile_path
 
 ENTRY_POINT = "__dsa_tune"
@@ -67,7 +68,7 @@ _CPU_CONFIG = re.compile(r"#iree_cpu\.lowering_config<[^<>]*>")
 MAX_SPEC_BYTES = 8 << 20
 # What an entry may set besides tiles: the ukernels its dispatch is lowered with (IREE's CPU ukernel names).
 TARGET_ATTR = "hal.executable.target"
-UKERNELS = re.compile(r"none|all|[a-z0-9_]+(,[a-z0-9_]+)*")
+UKERNELS = re.compile(UKERNEL_SETS)
 _UKERNELS_FIELD = re.compile(r'ukernels = "[^"]*"')
 
 
@@ -332,7 +333,7 @@ def with_ukernels(target: str, ukernels: str) -> str:
     """An executable target (`#hal.executable.target<...>` as IREE prints a variant's) with its `ukernels` set."""
     if not UKERNELS.fullmatch(ukernels):
         raise DsaError("dispatch spec", f"ukernels {ukernels!r} is not a set of IREE's CPU ukernels",
-                       "e.g. mmt4d,pack (names joined by commas), all or none")
+                       "e.g. mmt4d,pack (names joined by commas), all, default or none")
     if not target.startswith("#hal.executable.target<") or len(_UKERNELS_FIELD.findall(target)) != 1:
         raise DsaError("dispatch spec", f"cannot set the ukernels of the executable target {target[:120]!r}",
                        "a bug of the tuner: it passes the variant's target as IREE printed it")

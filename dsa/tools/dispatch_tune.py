@@ -342,7 +342,7 @@ class Bench:
         order = ["default"] + [n for n in names if n != "default" and n not in self.failed]
         times: Dict[str, List[float]] = {n: [] for n in order}
         rng = random.Random(seed)
-        for r in range(rounds):
+        for _ in range(rounds):
             shuffled = list(order)
             rng.shuffle(shuffled)
             for n in shuffled:

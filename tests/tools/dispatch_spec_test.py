@@ -553,8 +553,8 @@ def bmm_case(tmp_path_factory):
     text = configured.read_text()
     roots = [r for r in dispatch_spec.configured_root_ops(text) if dispatch_tune.mmt4d_shape(r["op"])]
     assert len(roots) == 1, [r["op"][:100] for r in roots]
-    variant = text[text.rindex("hal.executable.variant", 0, text.index(roots[0]["op"].split("\n")[0])):]
-    return tmp, mlir, roots[0], "#hal.executable.target" + variant[variant.index("target(") + 7:variant.index(") {")]
+    first, last, lines = dispatch_tune.executable_block(text, roots[0]["function"].rsplit("_matmul", 1)[0], "test")
+    return tmp, mlir, roots[0], dispatch_tune.variant_target("\n".join(lines[first:last + 1]), "test")
 
 
 def _ukernel_calls(dump: Path, name: str) -> int:
