@@ -673,8 +673,8 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
             result["carried_rewrites"] = rewrite_evidence
         if not entries:
             result["model"] = None
-            log("no dispatch got faster than IREE's configuration: no spec written")
-            write_json_atomic(evidence, result)
+            log("no dispatch got faster than IREE's configuration: no spec written; evidence in "
+                f"{write_rejected(result, evidence, out, keep)}")
             return result
         bucket = profile.get("bucket")
         where_tuned = f"{bucket['dim']}={bucket['size']}" if bucket else "its only shape"
@@ -698,7 +698,7 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
                            "a bug of the tuner: the standalone benchmark configured the op otherwise")
         check = model_check({"untuned": untuned, "tuned": tuned}, params, _input_flags(profile_dir, profile), driver,
                             max(2 * rounds, 10), work, where)
-        return _keep_if_faster(result, check, counts, spec_tmp, out, evidence, tuning_file, where, log)
+        return _keep_if_faster(result, check, counts, spec_tmp, out, evidence, tuning_file, where, log, keep)
 
 
 def carried_rewrites(profile: dict, sources: str, tuning_file: Optional[Path], where: str
@@ -758,23 +758,40 @@ def _evidence(profile: dict, flags: Sequence[str], rounds: int, keep_below: floa
                             "timing, untuned and tuned alternating, median of the per-round ratios"}
 
 
+def rejected_evidence(evidence: Path, out: Path, keep: Optional[Path]) -> Path:
+    """Where a search that writes no spec puts its evidence: the evidence file when no spec lies at `out`;
+    else the work directory (`--keep`, or dsa-tune-dispatches/ in the system's temporary directory), so that
+    the spec already there (pinned by its tuning file) keeps the evidence that describes it."""
+    if not out.exists():
+        return evidence
+    where = keep or Path(tempfile.gettempdir()) / "dsa-tune-dispatches"
+    where.mkdir(parents=True, exist_ok=True)
+    return where / evidence.name
+
+
+def write_rejected(result: dict, evidence: Path, out: Path, keep: Optional[Path]) -> str:
+    """Writes a rejected search's evidence (rejected_evidence) and says where, for the message."""
+    path = rejected_evidence(evidence, out, keep)
+    write_json_atomic(path, result)
+    return str(path) if path == evidence else f"{path} ({out.name} and {evidence.name} are unchanged)"
+
+
 def _keep_if_faster(result: dict, check: dict, counts: Dict[str, int], spec_tmp: Path, out: Path, evidence: Path,
-                    tuning_file: Optional[Path], where: str, log) -> dict:
+                    tuning_file: Optional[Path], where: str, log, keep: Optional[Path] = None) -> dict:
     """The whole-model gate: the spec is written (and pinned) only when the module with it computes what the
-    one without does and is not slower; the evidence is written either way."""
+    one without does and is not slower; the evidence is written either way (write_rejected where no spec is)."""
     result["model"] = dict(check, matched=counts)
     if not check["parity"]:
-        write_json_atomic(evidence, result)
         raise DsaError(where, f"the tuned module's outputs differ from the untuned one's by "
                               f"{check['max_rel_diff']:.2e} (more than {PARITY_TOLERANCE})",
-                       f"no spec written; evidence in {evidence}")
+                       f"no spec written; evidence in {write_rejected(result, evidence, out, keep)}")
     # Slower only when both say so: the median of the per-round ratios and the ratio of the medians (on a
     # 2-core VM a whole call varies ±10% run to run; either statistic alone flips on one noisy round).
     if check["ratio"] > 1.0 and check["tuned_ms"] > check["untuned_ms"]:
-        write_json_atomic(evidence, result)
         raise DsaError(where, f"the whole model is not faster with the spec ({check['untuned_ms']:.1f} → "
                               f"{check['tuned_ms']:.1f} ms, median ratio {check['ratio']:.2f})",
-                       f"no spec written (a busy machine? measure again on a quiet one); evidence in {evidence}")
+                       "no spec written (a busy machine? measure again on a quiet one); evidence in "
+                       f"{write_rejected(result, evidence, out, keep)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(spec_tmp.read_text())
     write_json_atomic(evidence, result)
@@ -815,8 +832,8 @@ def tune_rewrites(profile_dir: Path, out: Path, evidence: Path, *, params: Optio
         result = dict(_evidence(profile, flags, rounds, keep_below, threads), rewrites=rows, skipped=skipped)
         if not rewrites:
             result["model"] = None
-            log("Winograd was faster for no weight shape: no spec written")
-            write_json_atomic(evidence, result)
+            log("Winograd was faster for no weight shape: no spec written; evidence in "
+                f"{write_rejected(result, evidence, out, keep)}")
             return result
         header = [f"Dispatch spec of {profile['model_id']} for {profile['target']}, written by "
                   f"`dsa tune-dispatches --winograd`; evidence in {evidence.name}.",
@@ -835,7 +852,7 @@ def tune_rewrites(profile_dir: Path, out: Path, evidence: Path, *, params: Optio
                            "export the model with the default rewrites")
         check = model_check({"untuned": untuned, "tuned": tuned}, params, _input_flags(profile_dir, profile), driver,
                             max(2 * rounds, 10), work, where)
-        return _keep_if_faster(result, check, counts, spec_tmp, out, evidence, tuning_file, where, log)
+        return _keep_if_faster(result, check, counts, spec_tmp, out, evidence, tuning_file, where, log, keep)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

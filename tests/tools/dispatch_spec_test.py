@@ -662,14 +662,8 @@ def test_the_tile_tuner_keeps_the_preprocess_entries_a_profile_was_taken_with_or
     assert dispatch_tune.carried_rewrites(tiles_only, "%1 = linalg.generic", None, "p") == ([], None)
 
 
-def test_matmul_tuner_end_to_end_searches_extents_and_ukernels_and_pins_a_spec_or_says_why_not(tmp_path):
-    """`dsa tune-dispatches` on a profile directory of a one-batch-matmul model (x86-64-v3): the dispatch is
-    timed with other ukernel extents and without the unpack ukernel; a spec, when one is written, matches the
-    whole model, keeps its outputs and is pinned; when none is, the evidence says why (timings decide which)."""
-    from dsa.runtime import host
-
-    if not host.runs_here(json.loads(runfile("toolchains/targets/x86_64-v3.json").read_text())):
-        pytest.skip("the tuner times x86-64-v3 modules, which this CPU cannot run")
+def bmm_profile(tmp_path: Path) -> Path:
+    """A `dsa profile` directory (x86-64-v3) of the one-batch-matmul model BMM, its one dispatch listed."""
     profile_dir = tmp_path / "profile"
     profile_dir.mkdir()
     (profile_dir / "model.mlir").write_text(BMM)
@@ -684,6 +678,18 @@ def test_matmul_tuner_end_to_end_searches_extents_and_ukernels_and_pins_a_spec_o
         "model_id": "bmm", "target": "x86_64-v3", "bucket": None, "flags": v3_flags(),
         "inputs": {"a": [4, 96, 16], "b": [4, 16, 16]},
         "dispatches": [{"name": f, "total_ms": 1.0, "count": 1} for f in functions]}))
+    return profile_dir
+
+
+def test_matmul_tuner_end_to_end_searches_extents_and_ukernels_and_pins_a_spec_or_says_why_not(tmp_path):
+    """`dsa tune-dispatches` on a profile directory of a one-batch-matmul model (x86-64-v3): the dispatch is
+    timed with other ukernel extents and without the unpack ukernel; a spec, when one is written, matches the
+    whole model, keeps its outputs and is pinned; when none is, the evidence says why (timings decide which)."""
+    from dsa.runtime import host
+
+    if not host.runs_here(json.loads(runfile("toolchains/targets/x86_64-v3.json").read_text())):
+        pytest.skip("the tuner times x86-64-v3 modules, which this CPU cannot run")
+    profile_dir = bmm_profile(tmp_path)
     params, tuning, out, evidence = v3_tuner_case(tmp_path)
     result = tuned_or_refused(lambda: dispatch_tune.tune(
         profile_dir, out, evidence, params=params, top=4, rounds=2, min_time=0.05, keep_below=0.9, keep=None,
@@ -700,6 +706,32 @@ def test_matmul_tuner_end_to_end_searches_extents_and_ukernels_and_pins_a_spec_o
         assert ('ukernels = "mmt4d,pack"' in out.read_text()) == ("chosen_ukernels" in rows[0])
     else:
         assert "dispatch_spec" not in json.loads(tuning.read_text())
+
+
+def test_a_search_that_keeps_nothing_leaves_the_pinned_spec_and_its_evidence_as_they_were(tmp_path):
+    """A search that writes no spec (here: no candidate may be kept, --keep-below 0) beside a spec its tuning
+    file pins leaves that spec, its evidence and the tuning file byte for byte as they were, and writes its own
+    evidence in the work directory instead (a pinned spec's evidence must keep describing it: the performance
+    test reads its whole-model parity)."""
+    from dsa.runtime import host
+
+    if not host.runs_here(json.loads(runfile("toolchains/targets/x86_64-v3.json").read_text())):
+        pytest.skip("the tuner times x86-64-v3 modules, which this CPU cannot run")
+    profile_dir = bmm_profile(tmp_path)
+    params, tuning, out, evidence = v3_tuner_case(tmp_path)
+    out.write_text("// the pinned spec\n")
+    evidence.write_text(json.dumps({"model": {"parity": True}}))
+    tuning.write_text(json.dumps(dict(json.loads(tuning.read_text()),
+                                      dispatch_spec={"file": out.name, "sha256": sha256_file(out)})))
+    before = {p: p.read_bytes() for p in (out, evidence, tuning)}
+    work = tmp_path / "work"
+    said = []
+    result = dispatch_tune.tune(profile_dir, out, evidence, params=params, top=4, rounds=2, min_time=0.05,
+                                keep_below=0.0, keep=work, tuning_file=tuning, log=said.append)
+    assert result["model"] is None and "kept_default" in result["dispatches"][0]
+    assert {p: p.read_bytes() for p in before} == before
+    assert json.loads((work / evidence.name).read_text()) == json.loads(json.dumps(result))
+    assert f"{work / evidence.name} ({out.name} and {evidence.name} are unchanged)" in said[-1]
 
 
 def test_a_candidate_that_fails_to_run_is_dropped_and_recorded_and_iree_own_failing_stops_the_search(bmm_case):
