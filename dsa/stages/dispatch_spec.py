@@ -64,7 +64,7 @@ _MATCH_SEQUENCE = re.compile(r"transform\.named_sequence @match_([A-Za-z0-9_]+)\
 _REWRITE_SEQUENCE = re.compile(r"transform\.named_sequence @rewrite_([A-Za-z0-9_]+)\(")
 _TUNED = re.compile(re.escape(TUNED_ATTR) + r' = "([A-Za-z0-9_]+)"')
 _REWRITTEN = re.compile(re.escape(REWRITTEN_ATTR) + r' = "([A-Za-z0-9_]+)"')
-_CPU_CONFIG = re.compile(r"#iree_cpu\.lowering_config<[^<>]*>")
+CPU_CONFIG = re.compile(r"#iree_cpu\.lowering_config<[^<>]*>")
 MAX_SPEC_BYTES = 8 << 20
 # What an entry may set besides tiles: the ukernels its dispatch is lowered with (IREE's CPU ukernel names).
 TARGET_ATTR = "hal.executable.target"
@@ -345,7 +345,8 @@ def write_spec(entries: Sequence[dict], header: Sequence[str] = (), rewrites: Se
     "lowering_config" (the one to set)}, and optionally "ukernels" (the ukernels the dispatch is lowered with,
     e.g. "mmt4d,pack") with "target" (the executable target its variant was configured for): the entry then
     also sets the dispatch function's `hal.executable.target`, which IREE's codegen looks up from each op
-    before the variant's, to that target with those ukernels; `rewrites` of {"name", "rewrite" (a REWRITES
+    before the variant's, to that target with those ukernels; and optionally "siblings" (_sibling_action);
+    `rewrites` of {"name", "rewrite" (a REWRITES
     key), "weight" (the 3×3 convolution's weight type, e.g. tensor<64x64x3x3xf32>)}."""
     lines = [f"// {h}" for h in header]
     lines += ["module @dsa_dispatch_spec attributes { transform.with_named_sequence } {"]
@@ -373,6 +374,8 @@ def write_spec(entries: Sequence[dict], header: Sequence[str] = (), rewrites: Se
             raise DsaError("dispatch spec", f"entry name {e['name']!r} is not a symbol")
         uk = e.get("ukernels")
         params = 3 if uk else 2
+        if e.get("siblings"):
+            lines += _sibling_action(e, params)
         lines += [
             f"  transform.named_sequence @match_{e['name']}(%op: !transform.any_op {{transform.readonly}})",
             "      -> (!transform.any_op" + ", !transform.any_param" * params + ") {",
@@ -390,8 +393,9 @@ def write_spec(entries: Sequence[dict], header: Sequence[str] = (), rewrites: Se
             lines += ["    transform.yield %op, %config, %name : !transform.any_op, !transform.any_param, "
                       "!transform.any_param"]
         lines += ["  }"]
-    matches = ",\n        ".join(f"@match_{e['name']} -> @dsa_set_config" +
-                                  ("_and_ukernels" if e.get("ukernels") else "") for e in entries)
+    matches = ",\n        ".join(f"@match_{e['name']} -> " + (
+        f"@dsa_set_{e['name']}" if e.get("siblings") else
+        "@dsa_set_config" + ("_and_ukernels" if e.get("ukernels") else "")) for e in entries)
     lines += [f"  transform.named_sequence @{ENTRY_POINT}(%root: !transform.any_op {{transform.consumed}}) {{",
               f"    %res = transform.foreach_match in %root\n        {matches}",
               "      : (!transform.any_op) -> !transform.any_op",
@@ -399,6 +403,34 @@ def write_spec(entries: Sequence[dict], header: Sequence[str] = (), rewrites: Se
               "  }",
               "}"]
     return "\n".join(lines) + "\n"
+
+
+def _sibling_action(entry: dict, params: int) -> List[str]:
+    """The action of an entry with `siblings` ([{"from": IREE's lowering_config, "to": the one to set}]): the
+    other ops of the root op's dispatch function that IREE configured with a `from` config get its `to` (the
+    ops of a decomposed softmax or normalisation share one loop nest: their reduction and inner-parallel
+    vector tiles are chosen together with the root op's), then the root op is set as by @dsa_set_config."""
+    for s in entry["siblings"]:
+        for key in ("from", "to"):
+            if not CPU_CONFIG.fullmatch(s.get(key, "")):
+                raise DsaError("dispatch spec", f"entry {entry['name']}: sibling {key} {s.get(key)!r} is not a "
+                                                "CPU lowering_config (#iree_cpu.lowering_config<...>)")
+        if s["from"] in entry["op"] and "distribution" in s["from"]:
+            raise DsaError("dispatch spec", f"entry {entry['name']}: a sibling's from config is the root op's own")
+    lines = [f"  transform.named_sequence @dsa_set_{entry['name']}(%op: !transform.any_op {{transform.readonly}},",
+             "      %config: !transform.any_param {transform.readonly}, %name: !transform.any_param {transform.readonly}"
+             + (",\n      %target: !transform.any_param {transform.readonly}) {" if params == 3 else ") {"),
+             '    %fn = transform.get_parent_op %op <op_name = "func.func"> : (!transform.any_op) -> !transform.any_op']
+    for i, s in enumerate(entry["siblings"]):
+        lines += [f"    %s{i} = transform.structured.match attributes {{lowering_config = {s['from']}}} in %fn",
+                  "      : (!transform.any_op) -> !transform.any_op",
+                  f"    %c{i} = transform.param.constant {s['to']} -> !transform.any_param",
+                  f'    transform.annotate %s{i} "lowering_config" = %c{i} : !transform.any_op, !transform.any_param']
+    lines += ['    transform.annotate %op "lowering_config" = %config : !transform.any_op, !transform.any_param',
+              f'    transform.annotate %op "{TUNED_ATTR}" = %name : !transform.any_op, !transform.any_param']
+    if params == 3:
+        lines += [f'    transform.annotate %fn "{TARGET_ATTR}" = %target : !transform.any_op, !transform.any_param']
+    return lines + ["    transform.yield", "  }"]
 
 
 def _rewrite_lines(rewrites: Sequence[dict]) -> List[str]:
@@ -465,7 +497,7 @@ def configured_root_ops(configured_text: str) -> List[dict]:
         if line.rstrip().endswith("{"):
             end = next(k for k in range(i + 1, len(lines)) if lines[k].strip().startswith("} ->"))
         op = "\n".join(l.strip() for l in lines[i:end + 1])
-        config = _CPU_CONFIG.search(op)
+        config = CPU_CONFIG.search(op)
         out.append({"op": op, "lowering_config": config.group(0), "function": function})
     return out
 

@@ -32,6 +32,7 @@ each compiled standalone and timed the same way; the winners become the spec's p
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import re
@@ -199,6 +200,96 @@ def mmt4d_distribution_candidates(op: str, base: str) -> List[Tuple[str, str]]:
     return out
 
 
+# The vector tiles tried along a reduced dimension (a softmax's or a normalisation's row): IREE gives 16 (one
+# AVX-512 register) with a scalar tail, and its decomposed softmax runs at a fraction of memory speed there
+# (measured: ACT's 8x302x302 softmax, 2.0 ms standalone on one thread; 1.1 ms with 64).
+REDUCTION_TILES = (16, 32, 64, 128)
+
+
+def _reduction_fields(op: str, config: str) -> Optional[Tuple[Dict[str, List[int]], int, List[int]]]:
+    """(config fields, the reduced extent, the iteration space's sizes) of a reduction root op IREE tiled with
+    vector_reduction along one dimension (a linalg.generic whose first input spans its iteration space), or
+    None when `op` is not one."""
+    fields = parse_config(config)
+    if not re.match(r"(%[\w#:]+ = )?linalg\.generic ", op) or '"reduction"' not in op or \
+            not {"distribution", "vector_common_parallel", "vector_reduction"} <= set(fields):
+        return None
+    rank = len(fields["distribution"])
+    types = re.search(r"ins\([^:]*: (tensor<[0-9x]+x[a-z0-9]+>)", op)
+    sizes = [int(x) for x in types.group(1)[len("tensor<"):].split("x")[:-1]] if types else []
+    reduced = [i for i, v in enumerate(fields["vector_reduction"]) if v]
+    if len(sizes) != rank or any(len(v) != rank for v in fields.values()) or len(reduced) != 1:
+        return None
+    return fields, sizes[reduced[0]], sizes
+
+
+def reduction_siblings(configured: str, root_config: str) -> List[str]:
+    """The other CPU lowering_configs of a reduction's dispatch that tile along its reduced dimension (the
+    decomposed softmax's max and normalisation: vector_reduction or vector_inner_parallel); they take the root
+    op's vector tile with it."""
+    out = []
+    for c in dict.fromkeys(dispatch_spec.CPU_CONFIG.findall(configured)):
+        f = parse_config(c)
+        if c != root_config and "distribution" not in f and ({"vector_reduction", "vector_inner_parallel"} & set(f)):
+            out.append(c)
+    return out
+
+
+def _retile(config: str, tile: int) -> str:
+    """`config` with its nonzero vector_reduction and vector_inner_parallel entries set to `tile`."""
+    fields = parse_config(config)
+    for key in ("vector_reduction", "vector_inner_parallel"):
+        if key in fields:
+            fields[key] = [tile if v else 0 for v in fields[key]]
+    return format_config(fields)
+
+
+def reduction_candidates(op: str, default: str, configured: str) -> List[tuple]:
+    """(name, root lowering_config, siblings) candidates for a reduction: the vector tile along the reduced
+    dimension, the root op's and its siblings' reductions together (r), and the siblings' inner-parallel tile
+    (the normalisation's, p) on its own; siblings as ((IREE's config, the one to set), ...)."""
+    found = _reduction_fields(op, default)
+    if found is None:
+        return []
+    fields, extent, _ = found
+    siblings = reduction_siblings(configured, default)
+    tiles = [t for t in REDUCTION_TILES if t <= max(extent, REDUCTION_TILES[0])]
+    out = []
+    for r in tiles:
+        for p in tiles:
+            root = _retile(default, r)
+            sib = tuple((c, _retile(c, r if "vector_reduction" in c else p)) for c in siblings)
+            sib = tuple(x for x in sib if x[0] != x[1])
+            if root != default or sib:
+                out.append((f"r{r}p{p}", root, sib))
+    return out
+
+
+def reduction_distribution_candidates(op: str, base: str) -> List[Tuple[str, str]]:
+    """Distribution tiles (the parallel dimensions' rows per workgroup) around `base`, multiples of its vector
+    tile so that the siblings' vector tiles still fit."""
+    found = _reduction_fields(op, base)
+    if found is None:
+        return []
+    fields, _, sizes = found
+    vcp, dist = fields["vector_common_parallel"], fields["distribution"]
+    choices = []
+    for i, d in enumerate(dist):
+        if not d or not vcp[i]:
+            choices.append([d])
+        else:
+            choices.append(sorted({vcp[i] * k for k in (1, 2, 4, 8) if vcp[i] * k <= sizes[i]} | {d}))
+    out = []
+    for new in itertools.product(*choices):
+        workgroups = 1
+        for i, d in enumerate(new):
+            workgroups *= -(-sizes[i] // d) if d else 1
+        config = format_config(dict(fields, distribution=list(new)))
+        if config != base and workgroups >= MIN_WORKGROUPS:
+            out.append(("d" + "x".join(str(d) for d in new if d), config))
+    return out
+
+
 # The ukernels a variant is lowered with, and the sets a dispatch is also timed with: on x86 IREE's pack and
 # unpack ukernels have fast paths only for direct tiles (runtime/src/iree/builtins/ukernel/arch/x86_64), so a
 # transposing unpack fused into a matmul dispatch (the result of a matmul whose N is the smaller dimension:
@@ -298,12 +389,17 @@ class Bench:
         self.modules: Dict[str, Path] = {}
         self.failed: Dict[str, str] = {}
 
-    def compile(self, name: str, config: str, ukernels: Optional[str] = None) -> bool:
-        """Compiles the dispatch with `config` as its root op's lowering_config and, when `ukernels` is given,
-        lowered with those ukernels (what a spec entry's `hal.executable.target` does to the dispatch)."""
+    def compile(self, name: str, config: str, ukernels: Optional[str] = None,
+                siblings: Sequence[Tuple[str, str]] = ()) -> bool:
+        """Compiles the dispatch with `config` as its root op's lowering_config, its other ops' `siblings`
+        ((IREE's config, the one to set), ...) replaced, and, when `ukernels` is given, lowered with those
+        ukernels (what a spec entry's `hal.executable.target` does to the dispatch)."""
         if name in self.modules:
             return True
-        text = self.configured.replace(f"lowering_config = {self.root_config}", f"lowering_config = {config}", 1)
+        text = self.configured
+        for old, new in siblings:
+            text = text.replace(f"lowering_config = {old}", f"lowering_config = {new}")
+        text = text.replace(f"lowering_config = {self.root_config}", f"lowering_config = {config}", 1)
         if ukernels is not None:
             text = _VARIANT_UKERNELS.sub(f'ukernels = "{ukernels}"', text)
         src = self.work / f"{name}.mlir"
@@ -360,13 +456,16 @@ class Bench:
                     "ratio": statistics.median(x / b for x, b in zip(t, base))} for n, t in times.items()}
 
 
-def search_space(op: str, default: str, vector_registers: int):
+def search_space(op: str, default: str, vector_registers: int, configured: str = ""):
     """(first-stage candidates, the distribution candidates around a configuration) for a root op the tuner
-    tiles, or None for one it does not."""
+    tiles, or None for one it does not. A first-stage candidate is (name, lowering_config) or (name,
+    lowering_config, siblings: the other ops' configs it changes, ((IREE's, new), ...))."""
     if conv_shape(op) is not None:
         return conv_candidates(op, default, vector_registers), lambda c: distribution_candidates(op, c)
     if mmt4d_shape(op) is not None:
         return mmt4d_candidates(op, default), lambda c: mmt4d_distribution_candidates(op, c)
+    if _reduction_fields(op, default) is not None:
+        return reduction_candidates(op, default, configured), lambda c: reduction_distribution_candidates(op, c)
     return None
 
 
@@ -377,25 +476,25 @@ def tune_dispatch(configured: str, root: dict, work: Path, *, driver: str, vecto
     bench = Bench(configured, root["lowering_config"], work, driver, where, threads)
     if not bench.compile("default", root["lowering_config"]):
         return {"skipped": f"IREE's own configuration does not compile standalone: {bench.failed['default']}"}
-    first_stage, around = search_space(root["op"], root["lowering_config"], vector_registers)
-    # name -> (lowering_config, ukernels or None for the build's)
-    configs: Dict[str, Tuple[str, Optional[str]]] = {"default": (root["lowering_config"], None)}
-    for n, c in first_stage:
-        configs[n] = (c, None)
+    first_stage, around = search_space(root["op"], root["lowering_config"], vector_registers, configured)
+    # name -> (lowering_config, ukernels or None for the build's, siblings: the other ops' configs changed)
+    configs: Dict[str, Tuple[str, Optional[str], tuple]] = {"default": (root["lowering_config"], None, ())}
+    for n, c, *sib in first_stage:
+        configs[n] = (c, None, tuple(sib[0]) if sib else ())
     for uk in ukernel_alternatives(configured):  # each tile candidate, and IREE's, also with other ukernels
         tag = "uk_" + uk.replace(",", "_")
-        for n, (c, _) in list(configs.items()):
-            configs[f"{n}_{tag}" if n != "default" else tag] = (c, uk)
+        for n, (c, _, sib) in list(configs.items()):
+            configs[f"{n}_{tag}" if n != "default" else tag] = (c, uk, sib)
     stage1 = [n for n in configs if n != "default" and bench.compile(n, *configs[n])]
     first = bench.rounds(stage1, max(2, rounds // 2), min_time, seed=1)
     ranked = sorted((n for n in first if n != "default"), key=lambda n: first[n]["ratio"])
     stage2 = []
     for best in dict.fromkeys(ranked[:2] + ["default"]):  # distribution tiles around the best two and IREE's
-        config, uk = configs[best]
+        config, uk, sib = configs[best]
         for n, c in around(config):
             name = f"{best}_{n}"
-            if bench.compile(name, c, uk):
-                configs[name] = (c, uk)
+            if bench.compile(name, c, uk, sib):
+                configs[name] = (c, uk, sib)
                 stage2.append(name)
     second = bench.rounds(ranked[:4] + stage2, max(2, rounds // 2), min_time, seed=2)
     finalists = sorted((n for n in second if n != "default"), key=lambda n: second[n]["ratio"])[:3]
@@ -406,7 +505,9 @@ def tune_dispatch(configured: str, root: dict, work: Path, *, driver: str, vecto
            "failed_to_compile": sum(not why.startswith("failed to run") for why in bench.failed.values()),
            "failed_to_run": sorted(n for n, why in bench.failed.items() if why.startswith("failed to run")),
            "finalists": [dict({"name": n, "config": configs[n][0], "us": final[n]["us"], "ratio": final[n]["ratio"]},
-                              **({"ukernels": configs[n][1]} if configs[n][1] else {})) for n in finalists]}
+                              **({"ukernels": configs[n][1]} if configs[n][1] else {}),
+                              **({"siblings": _sibling_rows(configs[n][2])} if configs[n][2] else {}))
+                         for n in finalists]}
     # Kept only when faster both ways: the median of its per-round ratios to IREE's (robust to a machine that
     # drifts) and its median time against IREE's median time (robust to one lucky round).
     if best is not None and final[best]["ratio"] <= keep_below and \
@@ -415,6 +516,8 @@ def tune_dispatch(configured: str, root: dict, work: Path, *, driver: str, vecto
                    ratio=final[best]["ratio"])
         if configs[best][1]:
             row["chosen_ukernels"] = configs[best][1]
+        if configs[best][2]:
+            row["chosen_siblings"] = _sibling_rows(configs[best][2])
     else:
         row["kept_default"] = (f"no candidate's median time was at most {keep_below} of IREE's (best: {best}, "
                                f"ratio {final[best]['ratio']:.2f}, {final[best]['us'] / 1e3:.2f} ms)"
@@ -425,6 +528,10 @@ def tune_dispatch(configured: str, root: dict, work: Path, *, driver: str, vecto
     for name in list(bench.modules.values()):
         name.unlink(missing_ok=True)
     return row
+
+
+def _sibling_rows(siblings: Sequence[Tuple[str, str]]) -> List[dict]:
+    return [{"from": a, "to": b} for a, b in siblings]
 
 
 # -- Winograd per weight shape (a spec's preprocess entries) ----------------------------------------------------
@@ -645,8 +752,8 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
             roots = dispatch_spec.configured_root_ops(configured)
             if len(roots) != 1 or search_space(roots[0]["op"], roots[0]["lowering_config"], 16) is None:
                 skipped.append({"dispatch": function, "profile_ms": d["total_ms"],
-                                "why": "its root op is not a data-tiled convolution or matmul (the kinds this "
-                                       "tuner tiles)" if len(roots) == 1 else f"{len(roots)} root ops"})
+                                "why": "its root op is not a data-tiled convolution or matmul, nor a "
+                                       "reduction (the kinds this tuner tiles)" if len(roots) == 1 else f"{len(roots)} root ops"})
                 continue
             key = re.sub(r"%[\w#:]+", "%", dispatch_spec.dag_pattern(roots[0]["op"]))  # without SSA names
             if key in seen:
@@ -667,6 +774,8 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
                 entries.append({"name": row["entry"], "op": roots[0]["op"], "lowering_config": row["chosen_config"]})
                 if "chosen_ukernels" in row:
                     entries[-1].update(ukernels=row["chosen_ukernels"], target=variant_target(configured, where))
+                if "chosen_siblings" in row:
+                    entries[-1]["siblings"] = row["chosen_siblings"]
         result = dict(_evidence(profile, flags, rounds, keep_below, threads), min_workgroups=MIN_WORKGROUPS,
                       dispatches=rows, skipped=skipped)
         if rewrites:

@@ -662,23 +662,28 @@ def test_the_tile_tuner_keeps_the_preprocess_entries_a_profile_was_taken_with_or
     assert dispatch_tune.carried_rewrites(tiles_only, "%1 = linalg.generic", None, "p") == ([], None)
 
 
-def bmm_profile(tmp_path: Path) -> Path:
-    """A `dsa profile` directory (x86-64-v3) of the one-batch-matmul model BMM, its one dispatch listed."""
+def tiny_profile(tmp_path: Path, model_id: str, text: str, inputs: dict) -> Path:
+    """A `dsa profile` directory (x86-64-v3) of a one-dispatch model `text` with `inputs` (name → shape), its
+    dispatches listed."""
     profile_dir = tmp_path / "profile"
     profile_dir.mkdir()
-    (profile_dir / "model.mlir").write_text(BMM)
+    (profile_dir / "model.mlir").write_text(text)
     run_iree_compile(profile_dir / "model.mlir", [*v3_flags(), "--compile-to=executable-sources"],
                      profile_dir / "executable_sources.mlir", "test")
     functions = [l.split("@", 1)[1].split("(")[0] for l in
                  (profile_dir / "executable_sources.mlir").read_text().splitlines() if "func.func @" in l]
     rng = np.random.default_rng(0)
-    np.save(profile_dir / "input0_a.npy", rng.standard_normal((4, 96, 16)).astype(np.float32))
-    np.save(profile_dir / "input1_b.npy", rng.standard_normal((4, 16, 16)).astype(np.float32))
+    for i, (name, shape) in enumerate(inputs.items()):
+        np.save(profile_dir / f"input{i}_{name}.npy", rng.standard_normal(shape).astype(np.float32))
     (profile_dir / "profile.json").write_text(json.dumps({
-        "model_id": "bmm", "target": "x86_64-v3", "bucket": None, "flags": v3_flags(),
-        "inputs": {"a": [4, 96, 16], "b": [4, 16, 16]},
+        "model_id": model_id, "target": "x86_64-v3", "bucket": None, "flags": v3_flags(), "inputs": inputs,
         "dispatches": [{"name": f, "total_ms": 1.0, "count": 1} for f in functions]}))
     return profile_dir
+
+
+def bmm_profile(tmp_path: Path) -> Path:
+    """A `dsa profile` directory (x86-64-v3) of the one-batch-matmul model BMM, its one dispatch listed."""
+    return tiny_profile(tmp_path, "bmm", BMM, {"a": [4, 96, 16], "b": [4, 16, 16]})
 
 
 def test_matmul_tuner_end_to_end_searches_extents_and_ukernels_and_pins_a_spec_or_says_why_not(tmp_path):
@@ -758,3 +763,118 @@ def test_a_candidate_that_fails_to_run_is_dropped_and_recorded_and_iree_own_fail
     bench.modules["default"] = broken
     with pytest.raises(DsaError, match="iree-benchmark-module failed"):
         bench.rounds([], 1, 0.01, seed=0)
+
+
+SOFTMAX = """
+func.func @main(%x: tensor<4x40x70xf32>) -> tensor<4x40x70xf32> {
+  %empty = tensor.empty() : tensor<4x40x70xf32>
+  %y = linalg.softmax dimension(2) ins(%x : tensor<4x40x70xf32>) outs(%empty : tensor<4x40x70xf32>)
+      -> tensor<4x40x70xf32>
+  return %y : tensor<4x40x70xf32>
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def softmax_case(tmp_path_factory):
+    """(work dir, the softmax model, its configured IR's text, its root op) at x86-64-v3."""
+    tmp = tmp_path_factory.mktemp("softmax")
+    mlir = tmp / "softmax.mlir"
+    mlir.write_text(SOFTMAX)
+    configured = tmp / "softmax.configured.mlir"
+    run_iree_compile(mlir, [*v3_flags(), f"--compile-to={dispatch_spec.CONFIGURED_PHASE}"], configured, "test")
+    text = configured.read_text()
+    roots = dispatch_spec.configured_root_ops(text)
+    assert len(roots) == 1, [r["op"][:100] for r in roots]
+    return tmp, mlir, text, roots[0]
+
+
+def test_tuner_reads_a_decomposed_softmax_as_a_reduction_with_the_ops_that_share_its_row(softmax_case):
+    """IREE decomposes a softmax into a max, a sum of exponentials (the root op, with the distribution) and a
+    normalisation, each with its own vector tile along the row: the tuner varies the row's tile of all of
+    them (r: both reductions, p: the normalisation) and the rows per workgroup (multiples of the vector
+    tile, or IREE's own)."""
+    _, _, text, root = softmax_case
+    fields, extent, sizes = dispatch_tune._reduction_fields(root["op"], root["lowering_config"])
+    assert (extent, sizes) == (70, [4, 40, 70])
+    siblings = dispatch_tune.reduction_siblings(text, root["lowering_config"])
+    assert len(siblings) == 2 and {("vector_reduction" in s) for s in siblings} == {True, False}
+    candidates = dispatch_tune.reduction_candidates(root["op"], root["lowering_config"], text)
+    names = [c[0] for c in candidates]
+    assert "r64p64" in names and not any("128" in n for n in names)  # no tile past the row (70)
+    name, config, sib = candidates[names.index("r64p64")]
+    assert "vector_reduction = [0, 0, 64]" in config and {new for _, new in sib} == {
+        dispatch_tune._retile(s, 64) for s in siblings}
+    for _, dist in dispatch_tune.reduction_distribution_candidates(root["op"], config):
+        d = dispatch_tune.parse_config(dist)["distribution"]
+        assert d[2] == 0 and all(x % v == 0 or x == own for x, v, own in
+                                 zip(d, fields["vector_common_parallel"], fields["distribution"]) if v)
+    assert dispatch_tune.search_space(root["op"], root["lowering_config"], 16, text) is not None
+
+
+def test_a_sibling_entry_sets_the_row_tiles_of_its_whole_softmax_and_computes_the_same(softmax_case):
+    """A spec entry with siblings sets its root op's config and the configs of the ops IREE configured with
+    each sibling's `from` in the same dispatch; the module computes the same softmax as the one without."""
+    tmp, mlir, text, root = softmax_case
+    name, config, sib = next(c for c in dispatch_tune.reduction_candidates(root["op"], root["lowering_config"], text)
+                             if c[0] == "r32p64")
+    spec = tmp / "softmax.spec.mlir"
+    dispatch_spec.write_spec_file(spec, [{"name": "softmax_4x40x70", "op": root["op"], "lowering_config": config,
+                                          "siblings": [{"from": a, "to": b} for a, b in sib]}], ["test"])
+    configured = tmp / "softmax.configured.mlir"
+    tuned = tmp / "softmax.tuned.mlir"
+    assert dispatch_spec.apply_spec(configured, spec, tuned, "test") == {"softmax_4x40x70": 1}
+    out = tuned.read_text()
+    assert out.count("vector_reduction = [0, 0, 32]") == 2 and "vector_inner_parallel = [0, 0, 64]" in out
+    assert "vector_reduction = [0, 0, 8]" not in out and "vector_reduction = [0, 0, 16]" not in out
+    run_iree_compile(tmp / "softmax.tuned.mlir", [f"--compile-from={dispatch_spec.CONFIGURED_PHASE}"],
+                     tmp / "tuned.vmfb", "test")
+    run_iree_compile(mlir, v3_flags(), tmp / "untuned.vmfb", "test")
+    import iree.runtime as rt
+
+    x = np.random.default_rng(0).standard_normal((4, 40, 70)).astype(np.float32) * 4
+    want = np.exp(x - x.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    for vmfb in ("tuned.vmfb", "untuned.vmfb"):
+        config = rt.Config("local-task")
+        ctx = rt.SystemContext(config=config)
+        ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, (tmp / vmfb).read_bytes()))
+        np.testing.assert_allclose(np.asarray(ctx.modules.module.main(x)), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sibling, message", [
+    ({"from": "vector_reduction = [0, 0, 8]", "to": "#iree_cpu.lowering_config<vector_reduction = [0, 0, 16]>"},
+     "sibling from"),
+    ({"from": "#iree_cpu.lowering_config<vector_reduction = [0, 0, 8]>", "to": "64"}, "sibling to"),
+])
+def test_sibling_entries_that_cannot_be_written_are_refused_naming_them(softmax_case, sibling, message):
+    _, _, _, root = softmax_case
+    with pytest.raises(DsaError, match=message):
+        dispatch_spec.write_spec([{"name": "softmax_4x40x70", "op": root["op"],
+                                   "lowering_config": root["lowering_config"], "siblings": [sibling]}])
+
+
+def test_softmax_tuner_end_to_end_searches_the_row_tiles_and_pins_a_spec_or_says_why_not(tmp_path):
+    """`dsa tune-dispatches` on a profile directory of a one-softmax model (x86-64-v3): the softmax's row tiles
+    are searched with the ops that share its row; a spec, when one is written, sets them all, matches the whole
+    model, keeps its outputs and is pinned; when none is, the evidence says why (timings decide which)."""
+    from dsa.runtime import host
+
+    if not host.runs_here(json.loads(runfile("toolchains/targets/x86_64-v3.json").read_text())):
+        pytest.skip("the tuner times x86-64-v3 modules, which this CPU cannot run")
+    profile_dir = tiny_profile(tmp_path, "softmax", SOFTMAX, {"x": [4, 40, 70]})
+    params, tuning, out, evidence = v3_tuner_case(tmp_path)
+    result = tuned_or_refused(lambda: dispatch_tune.tune(
+        profile_dir, out, evidence, params=params, top=4, rounds=2, min_time=0.05, keep_below=0.9, keep=None,
+        tuning_file=tuning, log=lambda _: None), out, evidence)
+    rows = result["dispatches"]
+    assert len(rows) == 1 and rows[0]["entry"].startswith("softmax_4x40x70")
+    assert rows[0]["candidates"] > 0 and rows[0]["finalists"]
+    assert all(f.get("siblings") or f["name"].startswith("default_") for f in rows[0]["finalists"])
+    assert ("chosen" in rows[0]) != ("kept_default" in rows[0])
+    if out.exists():
+        assert result["model"]["parity"] and result["model"]["matched"] == {rows[0]["entry"]: 1}
+        assert load_tuning(tuning)["dispatch_spec"] == {"file": out.name, "sha256": sha256_file(out)}
+        assert (f"@dsa_set_{rows[0]['entry']}" in out.read_text()) == ("chosen_siblings" in rows[0])
+    else:
+        assert "dispatch_spec" not in json.loads(tuning.read_text())
