@@ -24,6 +24,10 @@ The case it exists for: IREE computes the transpose of a matmul whose N is the s
 result transposed in the matmul's dispatch, and on x86 the unpack ukernel has no transposing fast path (it runs
 element by element; codegen vectorises the same unpack).
 
+An entry for a reduction may carry `siblings` (IREE's config → the one to set): the other ops of its dispatch
+function that share the root op's loop nest (a decomposed softmax's max and normalisation), which must take the
+same row tile for the root op's to matter; its action sets them by their configured `lowering_config`.
+
 A spec may also hold rewrites chosen per op before IREE's own pipeline: `@rewrite_<name>` sequences applied by
 `@__dsa_preprocess` to the IR after input conversion (`--compile-to=input`). Today's one rewrite is Winograd: an
 entry matches a 3×3 `linalg.conv_2d_nchw_fchw` by its weight type, and only when the convolution's init is a
