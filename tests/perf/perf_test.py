@@ -488,3 +488,39 @@ def test_update_replaces_only_the_re_measured_rows_and_says_when_each_was_measur
     assert "measured in separate runs" in report.measured_note(merged)
     with pytest.raises(DsaError, match="runs=30"):
         report.merge_results(previous, dict(fresh, runs=10), "x86_64-v3")
+
+
+def test_results_keep_the_latest_run_of_each_class_of_cpu_and_the_sections_other_tools_own(tmp_path):
+    """A run on an AVX-512 machine replacing one from an AVX2 machine keeps that one as results.avx2.json and
+    renders it as its own section; a later AVX2 run takes results.json back and keeps the AVX-512 run; the
+    blocks `dsa scale` owns in RESULTS.md stay as they were each time."""
+    from dsa.tools.bench.cli import write_results
+
+    entry = lambda ms: {"median_ms": ms, "p90_ms": ms * 1.1, "runs": 30, "parity": {"ok": True}}  # noqa: E731
+
+    def run(avx512: bool, cpu: str, vmfb_ms: float) -> dict:
+        row = {"model": "act", "target": "x86_64-v4" if avx512 else "x86_64-v3", "module": "batch_0.vmfb",
+               "bucket": {"batch": 1}, "case": "batch=1", "runtimes": {"eager": entry(100.0), "vmfb": entry(vmfb_ms)},
+               "goal": {"vs_eager": vmfb_ms / 100, "met": vmfb_ms <= 100},
+               "load": {"before": {"load": 0.5, "waited_s": 0.0, "quiet": True}, "after": 0.6}, "errors": {}}
+        return {"format": 1, "machine": {"cpu": cpu, "threads": 2, "avx512": avx512, "system": "s", "python": "3"},
+                "date": cpu, "target": row["target"], "runs": 30, "warmup": 5, "models": [], "policies": [row]}
+
+    kept = "<!-- real-size:begin -->\n## Real sizes\n| pi0_full | 3.2 B |\n<!-- real-size:end -->"
+    (tmp_path / "RESULTS.md").write_text("# old\n\n" + kept + "\n")
+    write_results(tmp_path, run(False, "amd", 150.0))
+    assert not list(tmp_path.glob("results.*.json"))
+    text = write_results(tmp_path, run(True, "intel", 80.0))
+    assert json.loads((tmp_path / "results.avx2.json").read_text())["machine"]["cpu"] == "amd"
+    assert (tmp_path / "RESULTS.md").read_text() == text and text.count(kept) == 1
+    main, other = text.split("## On an AVX2 machine without AVX-512 (x86-64-v3)")
+    assert "| act | x86_64-v4 | `batch_0.vmfb` | batch=1 | 100.00 / 110.00 | 80.00 / 88.00 |" in main
+    assert "### LeRobot policies" in other and "| act | x86_64-v3 | `batch_0.vmfb` | batch=1 | 100.00 / 110.00 | 150.00" \
+        in other and "amd, 2 threads" in other
+    write_results(tmp_path, run(True, "intel", 70.0))  # the same class again: the AVX2 run stays
+    assert json.loads((tmp_path / "results.avx2.json").read_text())["machine"]["cpu"] == "amd"
+    text = write_results(tmp_path, run(False, "amd", 140.0))
+    assert not (tmp_path / "results.avx2.json").exists()
+    assert json.loads((tmp_path / "results.avx512.json").read_text())["policies"][0]["runtimes"]["vmfb"][
+        "median_ms"] == 70.0
+    assert "## On an AVX-512 machine (x86-64-v4)" in text and text.count(kept) == 1

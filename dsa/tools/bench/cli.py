@@ -16,7 +16,10 @@ torch.compile on the same inputs with the same thread count: warm-up, then `runs
 p90. Every runtime's output is checked against eager in the same run. Results go to bench/RESULTS.md,
 bench/results.json and bench/results.png, with the machine, CPU target and flags; for a model short of the
 goal (vmfb ≤ eager; pi0 and the transformer control within 1.5x of ONNX Runtime) the profiler's top
-dispatches are listed. Timings are reported, never asserted.
+dispatches are listed. Timings are reported, never asserted. RESULTS.md keeps the latest run of each class of
+CPU (AVX-512 or not: the x86-64-v4 builds run only on the one): a run that replaces one from the other class
+keeps it as bench/results.<class>.json, rendered as its own section; sections other tools own (`dsa scale`'s
+real sizes) stay.
 """
 
 from __future__ import annotations
@@ -38,11 +41,31 @@ from dsa.runtime.host import best_target
 from dsa.tools.bench.lerobot import (FULL_SIZE_PARAMETERS, LIGHT_FULL_SIZE_RUNS, lerobot_policies, lerobot_python,
                                      run_lerobot_benchmark)
 from dsa.tools.bench.quant import QUANT_LAYERS_SUBJECT, bench_quant_layers
-from dsa.tools.bench.report import (RESULTS_FORMAT, merge_results, render_chart, render_markdown,
-                                    workspace_root)
+from dsa.tools.bench.report import (RESULTS_FORMAT, machine_class, merge_results, render_chart, render_markdown,
+                                    render_other_class, with_kept_blocks, workspace_root)
 from dsa.tools.bench.runtimes import executorch_available, runfiles_python
 from dsa.tools.bench.subjects import bench_subject, load_subjects
 from dsa.tools.bench.timing import machine_info
+
+
+def write_results(out_dir: Path, results: dict) -> str:
+    """Writes results.json and RESULTS.md; returns the markdown. The run it replaces, when it was measured on the
+    other class of CPU (report.machine_class: AVX-512 or not), is kept as results.<class>.json and rendered as
+    its own section; the sections other tools own in RESULTS.md (`dsa scale`'s) are kept."""
+    this = machine_class(results)
+    if (out_dir / "results.json").is_file():
+        before = read_json(out_dir / "results.json")
+        if machine_class(before) != this:
+            write_json_atomic(out_dir / f"results.{machine_class(before)}.json", before)
+    (out_dir / f"results.{this}.json").unlink(missing_ok=True)  # this class's latest run is results.json now
+    write_json_atomic(out_dir / "results.json", results)
+    text = render_markdown(results)
+    for other in sorted(out_dir.glob("results.*.json")):
+        text = text.rstrip("\n") + "\n\n" + render_other_class(read_json(other))
+    old = out_dir / "RESULTS.md"
+    text = with_kept_blocks(text, old.read_text(encoding="utf-8") if old.is_file() else None)
+    write_bytes_atomic(old, text.encode("utf-8"))
+    return text
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -172,9 +195,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                                                          warmup=a.warmup, light=a.light)
     if previous is not None:
         results = merge_results(previous, results, target)
-    write_json_atomic(out_dir / "results.json", results)
-    text = render_markdown(results)
-    write_bytes_atomic(out_dir / "RESULTS.md", text.encode("utf-8"))
+    text = write_results(out_dir, results)
     render_chart(results, out_dir / "results.png")
     print(text)
     print(f"dsa-bench: wrote {out_dir / 'RESULTS.md'}, results.json, results.png")

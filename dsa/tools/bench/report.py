@@ -4,6 +4,7 @@ results.png (`render_chart`), `--update`'s merge of re-measured rows, and where 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -276,6 +277,43 @@ def render_quant_layers(rows: List[dict]) -> List[str]:
             f"| {sc['fp32']['weight_bytes'] / 2**20:.0f} → {sc['int4 g32']['weight_bytes'] / 2**20:.1f} MiB "
             f"| {sc['int4 g32']['rel_error']:.1e} |")
     return lines
+
+
+def machine_class(results: dict) -> str:
+    """The class of CPU a run was measured on, which names its kept results (results.<class>.json): "avx512" or
+    "avx2". The x86-64 levels a policy ships run differently enough on the two (the v4 build exists only for the
+    one) that RESULTS.md keeps the latest run of each."""
+    return "avx512" if results.get("machine", {}).get("avx512") else "avx2"
+
+
+CLASS_TITLES = {"avx512": "an AVX-512 machine (x86-64-v4)", "avx2": "an AVX2 machine without AVX-512 (x86-64-v3)"}
+
+
+def render_other_class(other: dict) -> str:
+    """The section of RESULTS.md that shows the latest run on the other class of machine (machine_class): its
+    machine line, latency and LeRobot policy tables, as that run rendered them, one heading level down."""
+    text = render_markdown(other)
+    start = text.index("\n## Latency")
+    end = text.find("\n## Graph rewrites")
+    body = text[start:end if end >= 0 else len(text)].replace("\n### ", "\n#### ").replace("\n## ", "\n### ")
+    m = other["machine"]
+    head = [f"## On {CLASS_TITLES[machine_class(other)]}", "",
+            f"The latest run on that class of CPU (bench/results.{machine_class(other)}.json, kept when a run on the "
+            f"other class replaced results.json): {other['date']}{measured_note(other)}; {m['cpu']}, "
+            f"{m['threads']} threads, CPU target **{other['target']}**, {other['warmup']} warm-up calls, then "
+            f"{other['runs']} timed calls."]
+    return "\n".join(head) + "\n" + body.rstrip() + "\n"
+
+
+# Sections of RESULTS.md that other tools render (`dsa scale`'s real sizes), kept as they are when the benchmark
+# writes the file again.
+KEPT_BLOCK = re.compile(r"<!-- ([\w-]+):begin -->.*?<!-- \1:end -->", re.S)
+
+
+def with_kept_blocks(text: str, old_text: Optional[str]) -> str:
+    """`text` with the marked blocks of `old_text` (KEPT_BLOCK) appended, in their order."""
+    blocks = [m.group(0) for m in KEPT_BLOCK.finditer(old_text or "")]
+    return text.rstrip("\n") + "".join(f"\n\n{b}" for b in blocks) + "\n"
 
 
 def merge_results(previous: dict, fresh: dict, target: str) -> dict:
