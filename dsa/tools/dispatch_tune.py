@@ -481,9 +481,10 @@ def tune_dispatch(configured: str, root: dict, work: Path, *, driver: str, vecto
     configs: Dict[str, Tuple[str, Optional[str], tuple]] = {"default": (root["lowering_config"], None, ())}
     for n, c, *sib in first_stage:
         configs[n] = (c, None, tuple(sib[0]) if sib else ())
+    tiles = list(configs.items())
     for uk in ukernel_alternatives(configured):  # each tile candidate, and IREE's, also with other ukernels
         tag = "uk_" + uk.replace(",", "_")
-        for n, (c, _, sib) in list(configs.items()):
+        for n, (c, _, sib) in tiles:
             configs[f"{n}_{tag}" if n != "default" else tag] = (c, uk, sib)
     stage1 = [n for n in configs if n != "default" and bench.compile(n, *configs[n])]
     first = bench.rounds(stage1, max(2, rounds // 2), min_time, seed=1)
