@@ -515,6 +515,7 @@ def test_results_keep_the_latest_run_of_each_class_of_cpu_and_the_sections_other
     assert (tmp_path / "RESULTS.md").read_text() == text and text.count(kept) == 1
     main, other = text.split("## On an AVX2 machine without AVX-512 (x86-64-v3)")
     assert "| act | x86_64-v4 | `batch_0.vmfb` | batch=1 | 100.00 / 110.00 | 80.00 / 88.00 |" in main
+    assert "not measured in this run (`--models` named LeRobot policies only)" in main  # no empty table
     assert "### LeRobot policies" in other and "| act | x86_64-v3 | `batch_0.vmfb` | batch=1 | 100.00 / 110.00 | 150.00" \
         in other and "amd, 2 threads" in other
     write_results(tmp_path, run(True, "intel", 70.0))  # the same class again: the AVX2 run stays

@@ -101,6 +101,9 @@ def render_markdown(results: dict) -> str:
         "checkpoint lowered to an XNNPACK .pte, docs/frontends.md); tuned / ExecuTorch < 1 means the vmfb is "
         "faster.",
     ]
+    if not results["models"]:  # a run of named LeRobot policies only
+        lines[lines.index("## Latency") + 1:] = [
+            "", "The project's own subjects were not measured in this run (`--models` named LeRobot policies only)."]
     for r in results["models"]:
         if r.get("errors", {}).get("executorch"):
             lines.append(f"{r['model']}: ExecuTorch {r['errors']['executorch']}")
