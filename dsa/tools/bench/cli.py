@@ -42,7 +42,8 @@ from dsa.tools.bench.lerobot import (FULL_SIZE_PARAMETERS, LIGHT_FULL_SIZE_RUNS,
                                      run_lerobot_benchmark)
 from dsa.tools.bench.quant import QUANT_LAYERS_SUBJECT, bench_quant_layers
 from dsa.tools.bench.report import (RESULTS_FORMAT, machine_class, merge_results, render_chart, render_markdown,
-                                    render_other_class, with_kept_blocks, workspace_root)
+                                    render_other_class, with_current_goals, with_kept_blocks,
+                                    workspace_root)
 from dsa.tools.bench.runtimes import executorch_available, runfiles_python
 from dsa.tools.bench.subjects import bench_subject, load_subjects
 from dsa.tools.bench.timing import machine_info
@@ -99,7 +100,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--no-executorch", action="store_true",
                         help="do not time the ExecuTorch Plan B (the benchmark otherwise runs in the ExecuTorch "
                              "environment, a superset of the toolchain's, when it is in the runfiles)")
+    parser.add_argument("--render", action="store_true",
+                        help="measure nothing: render RESULTS.md and results.png again from the results files in "
+                             "--out-dir, the policies' goals computed by the current criteria")
     a = parser.parse_args(argv)
+    if a.render:
+        out_dir = a.out_dir or workspace_root() / "bench"
+        if not (out_dir / "results.json").is_file():
+            raise DsaError(str(out_dir / "results.json"), "does not exist", "measure first: bazel run //bench")
+        for other in sorted(out_dir.glob("results.*.json")):
+            write_json_atomic(other, with_current_goals(read_json(other)))
+        results = with_current_goals(read_json(out_dir / "results.json"))
+        write_results(out_dir, results)
+        render_chart(results, out_dir / "results.png")
+        print(f"dsa-bench: wrote {out_dir / 'RESULTS.md'}, results.json, results.png (rendered again)")
+        return
     # Not resolved: under `bazel run` this file is a runfiles symlink, and the runfiles tree (not the source
     # tree it points into) holds the generated checkpoints.
     root = a.root or Path(os.path.abspath(__file__)).parents[3]

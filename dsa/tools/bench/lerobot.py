@@ -21,7 +21,7 @@ from dsa.core.runtime_flags import merge_runtime_flags
 from dsa.runtime import iree_flags
 from dsa.runtime.policy import read_module_index
 from dsa.tools.bench.runtimes import ORT_SPINNING, ort_file_session, ort_session, runfiles_python
-from dsa.tools.bench.timing import GOAL_EAGER_RATIO, QUIET_WAIT_S, load_average, measure_interleaved, parity, \
+from dsa.tools.bench.timing import QUIET_WAIT_S, load_average, measure_interleaved, parity, policy_goal, \
     wait_for_quiet
 
 POLICIES_INDEX = "models/policies_index.json"
@@ -181,11 +181,7 @@ def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: 
     with torch.no_grad():
         timings = measure_interleaved(fns, warmup=warmup, runs=runs)
     runtimes = {name: dict(timing, parity=checks[name]) for name, timing in timings.items()}
-    vmfb = runtimes["vmfb"]["median_ms"]
-    goal = {"vs_eager": round(vmfb / runtimes["eager"]["median_ms"], 3)}
-    goal["met"] = goal["vs_eager"] <= GOAL_EAGER_RATIO
-    if "onnxruntime" in runtimes:
-        goal["vs_onnxruntime"] = round(vmfb / runtimes["onnxruntime"]["median_ms"], 3)
+    goal = policy_goal(compiled.index["target"], runtimes)
     bucket = module.bucket
     return {
         "model": policy.name,

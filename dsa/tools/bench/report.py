@@ -14,7 +14,8 @@ from dsa.core.errors import DsaError
 from dsa.core.fileio import write_bytes_atomic
 from dsa.tools.bench.lerobot import FULL_SIZE_PARAMETERS, LIGHT_FULL_SIZE_RUNS
 from dsa.tools.bench.runtimes import ORT_SPINNING
-from dsa.tools.bench.timing import GOAL_EAGER_RATIO, GOAL_ORT_RATIO, QUIET_LOAD, QUIET_WAIT_S, REL_TOL
+from dsa.tools.bench.timing import (GOAL_EAGER_RATIO, GOAL_ORT_RATIO, POLICY_GOAL, POLICY_GOAL_AVX512, QUIET_LOAD,
+                                    QUIET_WAIT_S, REL_TOL, policy_goal)
 
 RESULTS_FORMAT = 1
 
@@ -137,6 +138,9 @@ def render_markdown(results: dict) -> str:
                 f"| {_ms(rt.get('torch.compile'))} "
                 f"| {g['vs_eager']:.2f} | {ort_ratio} | {r['load']['before']['load']:.1f} → {r['load']['after']:.1f} "
                 f"| {'met' if g['met'] else '**not met**'} |")
+        lines += ["", f"Goal: where the module is an AVX-512 build (x86_64-v4), vmfb / eager ≤ "
+                      f"{POLICY_GOAL_AVX512['vs_eager']} and vmfb / ONNX Runtime ≤ {POLICY_GOAL_AVX512['vs_onnxruntime']} "
+                      f"(where ORT was timed); elsewhere vmfb / eager ≤ {POLICY_GOAL['vs_eager']}."]
         ends = [r for r in results["policies"] if r.get("end_to_end")]
         if ends:
             lines += [
@@ -164,6 +168,9 @@ def render_markdown(results: dict) -> str:
                 lines.append(f"{r['model']}: " + "; ".join(f"{k} not measured ({v})" for k, v in r["errors"].items()))
     if results.get("quant_layers"):
         lines += render_quant_layers(results["quant_layers"])
+    if not results["models"]:
+        lines.append("")
+        return "\n".join(lines)
     lines += [
         "",
         "## Graph rewrites: before / after",
@@ -302,7 +309,8 @@ def render_other_class(other: dict) -> str:
     m = other["machine"]
     head = [f"## On {CLASS_TITLES[machine_class(other)]}", "",
             f"The latest run on that class of CPU (bench/results.{machine_class(other)}.json, kept when a run on the "
-            f"other class replaced results.json): {other['date']}{measured_note(other)}; {m['cpu']}, "
+            f"other class replaced results.json): {other['date']}{'.' if measured_note(other) else ''}"
+            f"{measured_note(other)} {m['cpu']}, "
             f"{m['threads']} threads, CPU target **{other['target']}**, {other['warmup']} warm-up calls, then "
             f"{other['runs']} timed calls."]
     return "\n".join(head) + "\n" + body.rstrip() + "\n"
@@ -317,6 +325,14 @@ def with_kept_blocks(text: str, old_text: Optional[str]) -> str:
     """`text` with the marked blocks of `old_text` (KEPT_BLOCK) appended, in their order."""
     blocks = [m.group(0) for m in KEPT_BLOCK.finditer(old_text or "")]
     return text.rstrip("\n") + "".join(f"\n\n{b}" for b in blocks) + "\n"
+
+
+def with_current_goals(results: dict) -> dict:
+    """`results` with each measured LeRobot policy row's goal computed again by the current criteria
+    (timing.policy_goal), from the times it holds (`dsa bench --render`)."""
+    rows = [dict(r, goal=policy_goal(r["target"], r["runtimes"])) if "runtimes" in r else r
+            for r in results.get("policies", [])]
+    return dict(results, policies=rows)
 
 
 def merge_results(previous: dict, fresh: dict, target: str) -> dict:

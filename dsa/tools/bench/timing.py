@@ -20,6 +20,23 @@ REL_TOL = 2e-4
 # The goal of the performance work (issue: beat eager, close in on ONNX Runtime).
 GOAL_EAGER_RATIO = 1.0
 GOAL_ORT_RATIO = 1.5
+# A LeRobot policy's shipped module where the machine runs an AVX-512 build (x86-64-v4): at most this fraction of
+# eager's time and no slower than ONNX Runtime; elsewhere (x86-64-v3) no slower than eager.
+POLICY_GOAL_AVX512 = {"vs_eager": 0.8, "vs_onnxruntime": 1.0}
+POLICY_GOAL = {"vs_eager": GOAL_EAGER_RATIO}
+
+
+def policy_goal(target: str, runtimes: Dict[str, dict]) -> dict:
+    """A LeRobot policy row's goal: its vmfb's ratios to eager (and ONNX Runtime, where timed) and whether they
+    are within the bounds for its target (POLICY_GOAL_AVX512 for an x86-64-v4 build, else POLICY_GOAL)."""
+    bounds = POLICY_GOAL_AVX512 if target.startswith("x86_64-v4") else POLICY_GOAL
+    vmfb = runtimes["vmfb"]["median_ms"]
+    goal = {"vs_eager": round(vmfb / runtimes["eager"]["median_ms"], 3)}
+    if "onnxruntime" in runtimes:
+        goal["vs_onnxruntime"] = round(vmfb / runtimes["onnxruntime"]["median_ms"], 3)
+    goal["met"] = all(goal[k] <= bound for k, bound in bounds.items() if k in goal)
+    goal["bounds"] = dict(bounds)
+    return goal
 # The LeRobot benchmark waits (up to QUIET_WAIT_S) for the 1-minute load average to fall below this before each
 # policy, and reports the load beside every number: eager PyTorch slows down far more than IREE when the
 # cores are shared, so a loaded measurement flatters the vmfb.
