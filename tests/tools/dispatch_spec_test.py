@@ -7,6 +7,7 @@ choose Winograd per weight shape (x86-64-v3), never for a convolution into a bia
 import json
 import shutil
 from pathlib import Path
+from typing import Tuple
 
 import numpy as np
 import pytest
@@ -543,18 +544,24 @@ func.func @main(%a: tensor<4x96x16xf32>, %b: tensor<4x16x16xf32>) -> tensor<4x96
 """
 
 
+def configured_v3(tmp: Path, name: str, text: str, kind=lambda op: True) -> Tuple[Path, str, dict]:
+    """(the model file, its IR configured at x86-64-v3, its one root op that `kind` accepts)."""
+    mlir = tmp / f"{name}.mlir"
+    mlir.write_text(text)
+    configured = tmp / f"{name}.configured.mlir"
+    run_iree_compile(mlir, [*v3_flags(), f"--compile-to={dispatch_spec.CONFIGURED_PHASE}"], configured, "test")
+    text = configured.read_text()
+    roots = [r for r in dispatch_spec.configured_root_ops(text) if kind(r["op"])]
+    assert len(roots) == 1, [r["op"][:100] for r in roots]
+    return mlir, text, roots[0]
+
+
 @pytest.fixture(scope="module")
 def bmm_case(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bmm")
-    mlir = tmp / "bmm.mlir"
-    mlir.write_text(BMM)
-    configured = tmp / "bmm.configured.mlir"
-    run_iree_compile(mlir, [*v3_flags(), f"--compile-to={dispatch_spec.CONFIGURED_PHASE}"], configured, "test")
-    text = configured.read_text()
-    roots = [r for r in dispatch_spec.configured_root_ops(text) if dispatch_tune.mmt4d_shape(r["op"])]
-    assert len(roots) == 1, [r["op"][:100] for r in roots]
-    first, last, lines = dispatch_tune.executable_block(text, roots[0]["function"].rsplit("_matmul", 1)[0], "test")
-    return tmp, mlir, roots[0], dispatch_tune.variant_target("\n".join(lines[first:last + 1]), "test")
+    mlir, text, root = configured_v3(tmp, "bmm", BMM, dispatch_tune.mmt4d_shape)
+    first, last, lines = dispatch_tune.executable_block(text, root["function"].rsplit("_matmul", 1)[0], "test")
+    return tmp, mlir, root, dispatch_tune.variant_target("\n".join(lines[first:last + 1]), "test")
 
 
 def _ukernel_calls(dump: Path, name: str) -> int:
@@ -779,14 +786,7 @@ func.func @main(%x: tensor<4x40x70xf32>) -> tensor<4x40x70xf32> {
 def softmax_case(tmp_path_factory):
     """(work dir, the softmax model, its configured IR's text, its root op) at x86-64-v3."""
     tmp = tmp_path_factory.mktemp("softmax")
-    mlir = tmp / "softmax.mlir"
-    mlir.write_text(SOFTMAX)
-    configured = tmp / "softmax.configured.mlir"
-    run_iree_compile(mlir, [*v3_flags(), f"--compile-to={dispatch_spec.CONFIGURED_PHASE}"], configured, "test")
-    text = configured.read_text()
-    roots = dispatch_spec.configured_root_ops(text)
-    assert len(roots) == 1, [r["op"][:100] for r in roots]
-    return tmp, mlir, text, roots[0]
+    return (tmp, *configured_v3(tmp, "softmax", SOFTMAX))
 
 
 def test_tuner_reads_a_decomposed_softmax_as_a_reduction_with_the_ops_that_share_its_row(softmax_case):
