@@ -307,9 +307,35 @@ def _group(text: str, key: str) -> Tuple[int, int, str]:
     return start, i, text[start + len(key) + 1:i - 1]
 
 
+_SSA = re.compile(r"%[\w#$.-]+")
+
+
+def captured_values(op_text: str) -> List[str]:
+    """The SSA values `op_text`'s body uses that neither it nor its block arguments define (a constant of the
+    dispatch function captured by a linalg.generic's region: a masked softmax's fill value). A matcher cannot
+    name them: IREE 3.13's `cast_compatible_dag_from_root` matched none of the ops whose pattern defined such a
+    constant itself (measured on SmolVLA's masked softmax), so an entry for such an op cannot be written."""
+    body = op_text.split("{", 1)[1] if re.search(r"\}\s*\{", op_text) or "^bb" in op_text else ""
+    if not body:
+        return []
+    defined = set()
+    for header in re.findall(r"\^bb\d+\(([^)]*)\)", body):
+        defined |= set(_SSA.findall(header))
+    for lhs in re.findall(r"^\s*((?:%[\w#$.-]+(?:, )?)+) =", body, re.M):
+        defined |= set(_SSA.findall(lhs))
+    used = [v for v in dict.fromkeys(_SSA.findall(body.split("^bb", 1)[-1])) if v not in defined]
+    return used
+
+
 def dag_pattern(op_text: str) -> str:
     """The body of a `cast_compatible_dag_from_root` matcher for `op_text` (a linalg op as IREE prints it, its
-    attributes included): its operands become the block's arguments, so any producer matches."""
+    attributes included): its operands become the block's arguments, so any producer matches. An op whose body
+    uses values defined outside it (captured_values) is refused."""
+    captured = captured_values(op_text)
+    if captured:
+        raise DsaError("dispatch spec", f"cannot write a matcher for {op_text.strip()[:100]!r}: its body uses "
+                                        f"{', '.join(captured)}, defined outside it",
+                       "leave this dispatch to IREE (the tuner skips such ops)")
     op = re.sub(r"^%[\w#:]+ = ", "", op_text.strip())
     args: List[str] = []
     pieces = {}

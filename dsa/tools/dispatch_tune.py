@@ -756,6 +756,12 @@ def tune(profile_dir: Path, out: Path, evidence: Path, *, params: Optional[Path]
                                 "why": "its root op is not a data-tiled convolution or matmul, nor a "
                                        "reduction (the kinds this tuner tiles)" if len(roots) == 1 else f"{len(roots)} root ops"})
                 continue
+            captured = dispatch_spec.captured_values(roots[0]["op"])
+            if captured:
+                skipped.append({"dispatch": function, "profile_ms": d["total_ms"],
+                                "why": f"its root op's body uses {', '.join(captured)}, defined outside it: a "
+                                       "spec's matcher cannot match such an op"})
+                continue
             key = re.sub(r"%[\w#:]+", "%", dispatch_spec.dag_pattern(roots[0]["op"]))  # without SSA names
             if key in seen:
                 seen[key]["dispatches"].append(function)

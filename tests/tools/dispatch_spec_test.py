@@ -878,3 +878,24 @@ def test_softmax_tuner_end_to_end_searches_the_row_tiles_and_pins_a_spec_or_says
         assert (f"@dsa_set_{rows[0]['entry']}" in out.read_text()) == ("chosen_siblings" in rows[0])
     else:
         assert "dispatch_spec" not in json.loads(tuning.read_text())
+
+
+MASKED_SUM = """%8 = linalg.generic {indexing_maps = [affine_map<(d0, d1) -> (d0, d1)>, affine_map<(d0, d1) -> (d0)>, affine_map<(d0, d1) -> (d0)>], iterator_types = ["parallel", "reduction"]} ins(%2, %6 : tensor<4x8xf32>, tensor<4xf32>) outs(%7 : tensor<4xf32>) attrs =  {lowering_config = #iree_cpu.lowering_config<distribution = [1, 0], vector_common_parallel = [1, 0], vector_reduction = [0, 8]>} {
+^bb0(%in: f32, %in_1: f32, %out: f32):
+%10 = arith.addf %in, %cst_0 : f32
+%11 = arith.subf %10, %in_1 : f32
+%12 = arith.addf %11, %out : f32
+linalg.yield %12 : f32
+} -> tensor<4xf32>"""
+
+
+def test_a_root_op_whose_body_uses_a_value_from_outside_is_skipped_and_no_entry_is_written_for_it():
+    """A masked softmax's sum (SmolVLA) adds a constant of the dispatch function inside its region: no matcher
+    can name it (a spec with one failed to parse; one that defined the constant itself matched nothing), so the
+    tuner skips such a root op and writing an entry for it is refused naming the value."""
+    assert dispatch_spec.captured_values(MASKED_SUM) == ["%cst_0"]
+    own = MASKED_SUM.replace("%cst_0", "%in_1")
+    assert dispatch_spec.captured_values(own) == [] and "^bb0" in dispatch_spec.dag_pattern(own)
+    with pytest.raises(DsaError, match="%cst_0, defined outside it"):
+        dispatch_spec.write_spec([{"name": "masked", "op": MASKED_SUM,
+                                   "lowering_config": "#iree_cpu.lowering_config<distribution = [2, 0]>"}])
