@@ -30,7 +30,7 @@ def kept(request):
 
 @pytest.mark.parametrize("batch,steps,prompt", [(1, 1, 8), (2, 3, 5), (2, 10, 6)])
 def test_kept_loop_matches_eager_lerobot_at_each_runtime_step_count(kept, batch, steps, prompt):
-    check_kept_loop_matches_eager(kept, POLICY_DIR, batch, steps, prompt, chunk=(5, 6))
+    check_kept_loop_matches_eager(kept, POLICY_DIR, batch, steps, prompt, chunk=(50, 6))
 
 
 def test_step_count_is_a_runtime_input_of_one_module(kept):
@@ -42,10 +42,11 @@ def test_inputs_are_cameras_state_prompt_and_noise():
     assert [(s["name"], s["shape"], s["dtype"]) for s in record["inputs"]] == [
         ("observation.images.top", ["batch", 3, 64, 80], "float32"),
         ("observation.images.wrist", ["batch", 3, 56, 56], "float32"),
+        ("observation.images.side", ["batch", 3, 64, 80], "float32"),
         ("observation.state", ["batch", 6], "float32"),
         ("observation.language.tokens", ["batch", 8], "int64"),
         (MASK, ["batch", 8], "int64"),
-        ("noise", ["batch", 5, 8], "float32"),
+        ("noise", ["batch", 50, 8], "float32"),
         ("steps", [], "int64"),
     ]
     # The tensor names are LeRobot's (model.safetensors'); the action expert's LM head is never read.
@@ -57,9 +58,10 @@ def test_inputs_are_cameras_state_prompt_and_noise():
 def test_kept_loop_is_a_loop_with_one_action_expert_in_the_exported_mlir():
     mlir = runfile("models/pi0_lerobot_model/model.mlir").read_text()
     assert "torch.prim.Loop" in mlir
-    # GELU (tanh): 4 in the prefix (SigLIP and the Gemma VLM), then once in the loop body the action expert's
-    # 2 layer MLPs (4 + 2 = 6; LeRobot's loop unrolled at 10 steps has 4 + 10 * 2 = 24).
-    assert len(re.findall(r"torch\.aten\.gelu\b", mlir)) == 6
+    # GELU (tanh): 5 in the prefix (SigLIP's one layer once per camera, three cameras, and the Gemma VLM's 2
+    # layers), then once in the loop body the action expert's 2 layer MLPs (5 + 2 = 7; LeRobot's loop unrolled
+    # at 10 steps has 5 + 10 * 2 = 25).
+    assert len(re.findall(r"torch\.aten\.gelu\b", mlir)) == 7
 
 
 def test_policy_directory_names_the_hermetic_sizes():
