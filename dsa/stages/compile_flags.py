@@ -106,6 +106,13 @@ CODEGEN_FLAGS: Dict[str, Callable[[Optional[str]], Optional[str]]] = {
     "--iree-dispatch-creation-experimental-set-data-tiling-ops": _list_of("matmul", "convolution", "scaled_matmul"),
     "--iree-global-opt-use-im2col-for-convs": _boolean,
     "--iree-global-opt-propagate-transposes": _boolean,
+    # IREE (O1 and above) transposes every concatenation to its outermost dimension; a concatenated attention
+    # mask is then read transposed by the softmax that selects with it (docs/performance.md).
+    "--iree-opt-outer-dim-concat": _boolean,
+    # How a vector loop's remainder is handled: IREE masks elementwise ops and reductions on x86, and a masked
+    # softmax whose row is not a multiple of the vector width (PI0's expert, 251 keys) then runs ~6x slower than
+    # with the remainder peeled (docs/performance.md).
+    "--iree-llvmcpu-vector-pproc-strategy": _choice("peel", "mask", "none"),
     "--iree-preprocessing-pass-pipeline": _preprocessing_pipeline,
 }
 

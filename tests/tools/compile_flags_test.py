@@ -90,6 +90,8 @@ def test_a_tuning_may_not_choose_the_cpu_device_input_or_reproducibility(flag):
     ("--iree-opt-level=O9", "one of O0, O1, O2, O3"),
     ("--iree-opt-level", "one of O0"),
     ("--iree-opt-data-tiling=maybe", "a boolean"),
+    ("--iree-opt-outer-dim-concat=sometimes", "a boolean"),
+    ("--iree-llvmcpu-vector-pproc-strategy=unroll", "one of peel, mask, none"),
     ("--iree-llvmcpu-stack-allocation-limit=9223372036854775807", "a byte count from 1 to 8388608"),
     ("--iree-llvmcpu-stack-allocation-limit=0", "a byte count"),
     ("--iree-llvmcpu-stack-allocation-limit=" + "9" * 3000, "a byte count"),
