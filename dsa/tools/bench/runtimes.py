@@ -60,7 +60,7 @@ def ort_session(eager, args, names: List[str], path: Path, threads: int):
     """torch's ONNX export of `eager`, saved at `path`, in an ONNX Runtime session whose threads do not spin
     between calls (the bar: a spinning pool keeps burning the cores after a call returns, which steals the next
     runtime's CPU in alternating rounds and flatters ORT); `ort_file_session(path, threads, spinning=True)` gives
-    ORT's default, which the benchmark reports beside it."""
+    ORT's default, which the benchmark reports beside it, timed alone after the others (timing.measure_alone)."""
     import torch
 
     program = torch.onnx.export(eager, tuple(args), dynamo=True, input_names=names, verbose=False)
