@@ -315,7 +315,10 @@ def _time_subject(subject: Subject, manifest: dict, target_name: str, target: di
                     checks[ORT_SPINNING] = parity(spin_session.run(None, spin_feed)[0], ref)
                     return lambda: spin_session.run(None, spin_feed)
 
-                timings[ORT_SPINNING] = measure_alone(spinning_session, warmup=warmup, runs=runs)
+                try:
+                    timings[ORT_SPINNING] = measure_alone(spinning_session, warmup=warmup, runs=runs)
+                except Exception as e:  # reported, not fatal, as for the first session
+                    ort_error = one_line(e)
             for name, timing in timings.items():
                 row["runtimes"][name] = dict(timing, parity=checks[name])
         rows.append(row)

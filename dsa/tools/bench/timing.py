@@ -5,6 +5,7 @@ with these, and so does the tuner (dsa/tools/tune.py)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import statistics
@@ -85,8 +86,6 @@ def measure_alone(make: Callable[[], Callable[[], object]], *, warmup: int, runs
         return measure(fn, warmup=warmup, runs=runs)
     finally:
         del fn
-        import gc
-
         gc.collect()
 
 
