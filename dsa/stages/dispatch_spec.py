@@ -323,8 +323,7 @@ def captured_values(op_text: str) -> List[str]:
         defined |= set(_SSA.findall(header))
     for lhs in re.findall(r"^\s*((?:%[\w#$.-]+(?:, )?)+) =", body, re.M):
         defined |= set(_SSA.findall(lhs))
-    used = [v for v in dict.fromkeys(_SSA.findall(body.split("^bb", 1)[-1])) if v not in defined]
-    return used
+    return [v for v in dict.fromkeys(_SSA.findall(body.split("^bb", 1)[-1])) if v not in defined]
 
 
 def dag_pattern(op_text: str) -> str:

@@ -20,9 +20,9 @@ from dsa.core.lerobot_types import LEROBOT_TYPES
 from dsa.core.runtime_flags import merge_runtime_flags
 from dsa.runtime import iree_flags
 from dsa.runtime.policy import read_module_index
-from dsa.tools.bench.runtimes import ORT_SPINNING, ort_file_session, ort_session, runfiles_python
-from dsa.tools.bench.timing import QUIET_WAIT_S, load_average, measure_alone, measure_interleaved, parity, \
-    policy_goal, wait_for_quiet
+from dsa.tools.bench.runtimes import ORT_SPINNING, measure_spinning_ort, ort_session, runfiles_python
+from dsa.tools.bench.timing import QUIET_WAIT_S, load_average, measure_interleaved, parity, policy_goal, \
+    wait_for_quiet
 
 POLICIES_INDEX = "models/policies_index.json"
 
@@ -159,7 +159,7 @@ def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: 
                 feed = {f: np.asarray(inputs[n]) for f, n in zip(feeds, observation)}
                 checks["onnxruntime"] = parity(session.run(None, feed)[0], ref)
                 fns["onnxruntime"] = lambda: session.run(None, feed)
-                spinning = (work / f"{policy.name}.onnx", feed)  # timed alone, after the others (measure_alone)
+                spinning = work / f"{policy.name}.onnx"  # timed alone, after the others (measure_spinning_ort)
                 errors.pop("onnxruntime", None)
                 break
             except Exception as e:  # reported, not fatal: not every policy exports to ONNX
@@ -180,13 +180,9 @@ def bench_policy(policy: Policy, *, runs: int, warmup: int, threads: int, work: 
     with torch.no_grad():
         timings = measure_interleaved(fns, warmup=warmup, runs=runs)
     if spinning is not None:
-        def spinning_session():
-            spin_session, _ = ort_file_session(spinning[0], threads, spinning=True)
-            checks[ORT_SPINNING] = parity(spin_session.run(None, spinning[1])[0], ref)
-            return lambda: spin_session.run(None, spinning[1])
-
         try:
-            timings[ORT_SPINNING] = measure_alone(spinning_session, warmup=warmup, runs=runs)
+            timings[ORT_SPINNING], checks[ORT_SPINNING] = measure_spinning_ort(
+                spinning, threads, inputs, observation, ref, warmup=warmup, runs=runs)
         except Exception as e:  # reported, not fatal, as for the first session
             errors[ORT_SPINNING] = one_line(e)
     runtimes = {name: dict(timing, parity=checks[name]) for name, timing in timings.items()}

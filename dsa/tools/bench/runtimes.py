@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -60,7 +60,7 @@ def ort_session(eager, args, names: List[str], path: Path, threads: int):
     """torch's ONNX export of `eager`, saved at `path`, in an ONNX Runtime session whose threads do not spin
     between calls (the bar: a spinning pool keeps burning the cores after a call returns, which steals the next
     runtime's CPU in alternating rounds and flatters ORT); `ort_file_session(path, threads, spinning=True)` gives
-    ORT's default, which the benchmark reports beside it, timed alone after the others (timing.measure_alone)."""
+    ORT's default, which the benchmark reports beside it, timed alone after the others (measure_spinning_ort)."""
     import torch
 
     program = torch.onnx.export(eager, tuple(args), dynamo=True, input_names=names, verbose=False)
@@ -82,6 +82,25 @@ def ort_file_session(path: Path, threads: int, spinning: bool):
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     feeds = [i.name for i in session.get_inputs()]
     return session, feeds
+
+
+def measure_spinning_ort(path: Path, threads: int, inputs: Dict[str, np.ndarray], names: List[str], ref,
+                         *, warmup: int, runs: int) -> Tuple[dict, dict]:
+    """ORT's default (spin-waiting threads) on the saved ONNX file, timed on its own after the alternating rounds
+    (timing.measure_alone: its pool burns the cores while the session lives) and released. `inputs` by
+    observation name, `names` in the file's input order. Returns (timing, parity against `ref`)."""
+    from dsa.tools.bench.timing import measure_alone, parity
+
+    checked = {}
+
+    def session_call():
+        session, feeds = ort_file_session(path, threads, spinning=True)
+        feed = {f: np.asarray(inputs[n]) for f, n in zip(feeds, names)}
+        checked["parity"] = parity(session.run(None, feed)[0], ref)
+        return lambda: session.run(None, feed)
+
+    timing = measure_alone(session_call, warmup=warmup, runs=runs)
+    return timing, checked["parity"]
 
 
 def executorch_available() -> bool:

@@ -16,9 +16,9 @@ import numpy as np
 from dsa.core.errors import DsaError, one_line
 from dsa.core.fileio import read_json, sha256_file
 from dsa.stages.compile import load_tuning
-from dsa.tools.bench.runtimes import (ORT_SPINNING, Built, IreeModule, executorch_available, ort_file_session,
+from dsa.tools.bench.runtimes import (ORT_SPINNING, Built, IreeModule, executorch_available, measure_spinning_ort,
                                       ort_session)
-from dsa.tools.bench.timing import GOAL_EAGER_RATIO, GOAL_ORT_RATIO, measure_alone, measure_interleaved, parity
+from dsa.tools.bench.timing import GOAL_EAGER_RATIO, GOAL_ORT_RATIO, measure_interleaved, parity
 
 
 @dataclasses.dataclass
@@ -252,7 +252,7 @@ def _time_subject(subject: Subject, manifest: dict, target_name: str, target: di
     if with_ort:
         try:
             ort = ort_session(eager, cases[0].args, names, work / f"{subject.name}.onnx", threads)
-            ort_spin = work / f"{subject.name}.onnx"  # timed alone per case, after the others (measure_alone)
+            ort_spin = work / f"{subject.name}.onnx"  # timed alone per case, after the others (measure_spinning_ort)
         except Exception as e:  # reported in the results, not fatal
             ort_error = one_line(e)
     executorch = None
@@ -309,14 +309,9 @@ def _time_subject(subject: Subject, manifest: dict, target_name: str, target: di
                     compile_error = one_line(e)
             timings = measure_interleaved(fns, warmup=warmup, runs=runs)
             if ort_spin is not None:
-                def spinning_session():
-                    spin_session, spin_feeds = ort_file_session(ort_spin, threads, spinning=True)
-                    spin_feed = {f: np.asarray(inputs[n]) for f, n in zip(spin_feeds, names)}
-                    checks[ORT_SPINNING] = parity(spin_session.run(None, spin_feed)[0], ref)
-                    return lambda: spin_session.run(None, spin_feed)
-
                 try:
-                    timings[ORT_SPINNING] = measure_alone(spinning_session, warmup=warmup, runs=runs)
+                    timings[ORT_SPINNING], checks[ORT_SPINNING] = measure_spinning_ort(
+                        ort_spin, threads, inputs, names, ref, warmup=warmup, runs=runs)
                 except Exception as e:  # reported, not fatal, as for the first session
                     ort_error = one_line(e)
             for name, timing in timings.items():
