@@ -33,7 +33,8 @@ import torch.fx as fx
 
 from dsa.core.errors import DsaError
 from dsa.stages.fx_graph import PassGraph, node_val
-from dsa.stages.rewrites_attention import attention_to_sdpa, decompose_attention, fence_head_split_projections
+from dsa.stages.rewrites_attention import (
+    attention_to_sdpa, blocked_softmax, decompose_attention, fence_head_split_projections)
 from dsa.stages.rewrites_conv import (
     conv1d_to_matmul, conv_transpose1d_to_matmul, fold_batchnorm, patchify_conv_to_matmul, split_conv_bias,
     stem_conv_to_matmul)
@@ -97,17 +98,18 @@ PASSES: Dict[str, Pass] = {
     p.__name__: Pass(p.__name__, p)
     for p in (bool_and_to_logical_and, fold_batchnorm, patchify_conv_to_matmul, stem_conv_to_matmul,
               split_conv_bias, conv1d_to_matmul, conv_transpose1d_to_matmul, attention_to_sdpa, decompose_attention,
-              fence_head_split_projections)
+              fence_head_split_projections, blocked_softmax)
 }
 
 # The defaults are chosen for the llvm-cpu targets this release ships (toolchains/targets): there IREE
 # 3.13's fused attention dispatch measured ~10x slower than matmul + softmax, so attention is decomposed
 # (decompose_attention) and attention_to_sdpa, its inverse, is opt-in (for a backend whose fused attention
-# is fast). The others measured faster or equal. Numbers: docs/performance.md, bench/RESULTS.md.
+# is fast). The others measured faster or equal (blocked_softmax: even on the small PI0.5 at x86-64-v4, faster
+# elsewhere). Numbers: docs/performance.md, bench/RESULTS.md.
 DEFAULT_PASSES: Tuple[str, ...] = (
     "bool_and_to_logical_and", "fold_batchnorm", "patchify_conv_to_matmul", "stem_conv_to_matmul",
     "split_conv_bias", "conv1d_to_matmul", "conv_transpose1d_to_matmul", "decompose_attention",
-    "fence_head_split_projections",
+    "fence_head_split_projections", "blocked_softmax",
 )
 
 

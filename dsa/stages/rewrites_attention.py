@@ -326,3 +326,113 @@ def fence_head_split_projections(g: PassGraph) -> int:
             node.replace_input_with(x, fenced_inputs[x])
         count += 1
     return count
+
+
+# -- 7. blocked_softmax --------------------------------------------------------------------------------
+
+SOFTMAX_BLOCK = 16      # one AVX-512 f32 vector
+SOFTMAX_MIN_LENGTH = 128  # shorter rows: the extra dispatches cost as much as the horizontal reductions
+
+
+_SCORE_STEPS = (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.add.Tensor,
+                aten.masked_fill.Scalar, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.self)
+
+
+def _score_matmul(x) -> Optional[fx.Node]:
+    """The matmul whose result reaches `x` through single-user element-wise steps (scale, masks), if any."""
+    for _ in range(16):
+        if not isinstance(x, fx.Node) or x.op != "call_function" or only_user(x) is None:
+            return None
+        if x.target in _MATMULS:
+            return x
+        if x.target not in _SCORE_STEPS:
+            return None
+        x = next((a for a in x.args if isinstance(a, fx.Node) and _leads_to_matmul(a)), None)
+    return None
+
+
+def _score_matmul(x) -> Optional[fx.Node]:
+    """The matmul whose result reaches `x` through single-user element-wise steps (scale, masks), if any."""
+    for _ in range(16):
+        if not isinstance(x, fx.Node) or x.op != "call_function" or only_user(x) is None:
+            return None
+        if x.target in _MATMULS:
+            return x
+        if x.target not in _SCORE_STEPS:
+            return None
+        x = next((a for a in x.args if isinstance(a, fx.Node) and _leads_to_matmul(a)), None)
+    return None
+
+
+def blocked_softmax(g: PassGraph) -> int:
+    """A float32 softmax over the last dim of static length L ≥ 128 (`aten.softmax.int`, `aten._softmax`,
+    any leading dims, static or dynamic) → the same softmax computed over blocks of 16: the row's whole
+    blocks viewed as [L // 16, 16], the max and the sum reduced first across the blocks (16 partial results
+    a row, element-wise) and then within the block, and combined with the max / sum of the last L % 16
+    elements when there are any; the result is `exp(x - max) / sum`. When x comes from a matmul through
+    element-wise steps (scale, masks: attention scores) and the shapes are static, the matmul's result is
+    fenced with `dsa::optimization_barrier`: the steps no longer have one consumer (the softmax) to fuse
+    into, and IREE would otherwise make them the epilogue of the data-tiled matmul, computed in its packed
+    layout, whose codegen exceeds the vector-size and stack limits (SmolVLA's attention at x86-64-v4:
+    "One or more operations with large vector sizes").
+
+    Why: IREE 3.13's llvm-cpu backend reduces a softmax row along its innermost dim with one horizontal
+    vector reduction per 16 elements, a serial chain of shuffles (and NaN checks for the max) whose latency
+    bounds the loop, and computes the max twice (once for the sum, once for the normalisation). The masked
+    attention softmaxes of LeRobot's PI0 ran at ~2 ns an element (`softmax_8x520x520` 3.8 ms a call,
+    `softmax_8x51x571` 0.41 ms: 58% of the dispatch time of PI0 with two 224 px cameras). Blocked, the
+    reductions over blocks are element-wise vector maxima and sums (IREE vectorises a reduction of an outer
+    dim along the inner one), and one horizontal reduction per row remains: standalone 8×520×520 4.9 → 2.8
+    ms, 8×51×571 0.68 → 0.29 ms (x86-64-v4, one thread); whole calls of LeRobot's PI0 at x86-64-v3 13.4 →
+    8.3 ms, with two 224 px cameras at x86-64-v4 21.6 → 18.8 ms (docs/performance.md). Rows under 128:
+    the extra dispatches cost what the reductions save. The order of the sum changes (partial sums per
+    lane), as eager's vectorised softmax also sums in lanes: results agree to ~1e-7 relative."""
+    count = 0
+    for node in list(g.graph.nodes):
+        if node.op != "call_function" or node.target not in _SOFTMAXES:
+            continue
+        x = node.args[0]
+        xv, out = node_val(x), node_val(node)
+        if not (isinstance(xv, torch.Tensor) and isinstance(out, torch.Tensor)):
+            continue
+        if xv.dtype != torch.float32 or out.dtype != torch.float32 or xv.dim() < 1:
+            continue  # half precision: eager accumulates in float32; leave those to IREE's softmax
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if not isinstance(dim, int) or dim % xv.dim() != xv.dim() - 1:
+            continue
+        length = static_size(xv.shape[-1])
+        if length is None or length < SOFTMAX_MIN_LENGTH:
+            continue
+        blocks, rest = divmod(length, SOFTMAX_BLOCK)
+        whole = blocks * SOFTMAX_BLOCK
+        scores = _score_matmul(x)
+        static_scores = scores is not None and all(static_size(d) is not None for d in node_val(scores).shape)
+        if static_scores and scores is not x:  # steps between them (no steps: nothing to fuse)
+            from dsa.stages.custom_ops import optimization_barrier
+
+            user = only_user(scores)
+            with g.graph.inserting_after(scores):
+                fenced = g.emit(optimization_barrier().default, (scores,), like=scores)
+            user.replace_input_with(scores, fenced)
+        with g.graph.inserting_before(node):
+            e = lambda target, *args: g.emit(target, args, like=node)  # noqa: E731
+
+            def reduce(t, op, combine):
+                """`t` reduced over its last dim: over the whole blocks (first across them, element-wise,
+                then within the block) and, when the row is not a whole number of blocks, the rest."""
+                head = e(aten.slice.Tensor, t, -1, 0, whole) if rest else t
+                tiled = e(aten.unflatten.int, head, -1, [blocks, SOFTMAX_BLOCK])
+                out = e(op, e(op, tiled, [-2]), [-1], True)
+                if rest:
+                    out = e(combine, out, e(op, e(aten.slice.Tensor, t, -1, whole, length), [-1], True))
+                return out
+
+            row_max = reduce(x, aten.amax.default, aten.maximum.default)
+            exps = e(aten.exp.default, e(aten.sub.Tensor, x, row_max))
+            row_sum = reduce(exps, aten.sum.dim_IntList, aten.add.Tensor)
+            new = e(aten.div.Tensor, exps, row_sum)
+        node.replace_all_uses_with(new)
+        drop_asserts([node], g.graph)
+        g.graph.erase_node(node)
+        count += 1
+    return count

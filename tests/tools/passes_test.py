@@ -675,12 +675,162 @@ def test_fenced_projection_imports_as_optimization_barriers(tmp_path):
     assert 'torch.operator "' not in mlir
 
 
+# -- blocked_softmax -------------------------------------------------------------------------------------
+
+
+class MaskedSoftmax(nn.Module):
+    """Scores scaled and masked with a finite fill (as LeRobot's PI0 does), softmax over the last dim."""
+
+    def forward(self, scores, keep):
+        return torch.softmax(torch.where(keep, scores * 0.25, -2.3819763e38), dim=-1)
+
+
+def _masked_softmax_args(rows, length, batch=2):
+    scores, keep = torch.randn(batch, 4, rows, length) * 8, torch.rand(batch, 1, rows, length) > 0.3
+    keep[0, 0, 0] = False  # a fully-masked row: every score the same finite fill, uniform weights in eager
+    return scores, keep
+
+
+@pytest.mark.parametrize("length", [128, 150, 571])  # a whole number of blocks, and two rows with a rest
+def test_blocked_softmax_reduces_over_blocks_of_16_and_the_rest_and_matches_eager_with_masked_rows(length):
+    module, args = MaskedSoftmax(), _masked_softmax_args(7, length)
+    program, rewritten, count = _rewrite(module, args, "blocked_softmax")
+    assert count == 1
+    targets = _targets(rewritten)
+    assert aten._softmax.default not in targets and aten.softmax.int not in targets
+    assert (aten.slice.Tensor in targets) == (length % 16 != 0)  # the rest of the row, reduced apart
+    unflattens = [n for n in rewritten.graph.nodes if n.target is aten.unflatten.int]
+    assert [n.args[2] for n in unflattens] == [[length // 16, 16]] * 2
+    with torch.no_grad():
+        got, want = rewritten.module()(*args), module(*args)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got[0, 0, 0], torch.full((length,), 1.0 / length), rtol=1e-5, atol=0)
+
+
+class MaskedScores(nn.Module):
+    """q @ kᵀ, scaled and masked, then the softmax: the score matmul is what the rewrite fences."""
+
+    def forward(self, q, k, keep):
+        return torch.softmax(torch.where(keep, q @ k.transpose(-1, -2) * 0.125, -1e9), dim=-1)
+
+
+def test_blocked_softmax_fences_a_scaled_and_masked_score_matmul_of_static_shapes_only():
+    """With static shapes the score matmul's result is fenced: its data-tiled dispatch then does not take the
+    scale and mask as an epilogue in the packed layout, where IREE 3.13's codegen exceeds its vector and
+    stack limits (SmolVLA's attention at x86-64-v4 with data tiling: "One or more operations with large
+    vector sizes"). A dynamic dim cannot pass the barrier, and a dynamic module is not data-tiled."""
+    module = MaskedScores()
+    args = (torch.randn(2, 4, 9, 8), torch.randn(2, 4, 140, 8), torch.rand(2, 1, 9, 140) > 0.3)
+    _, rewritten, count = _rewrite(module, args, "blocked_softmax")
+    assert count == 1
+    [barrier] = _barriers(rewritten)
+    assert barrier.args[0].target in (aten.matmul.default, aten.bmm.default)
+    with torch.no_grad():
+        torch.testing.assert_close(rewritten.module()(*args), module(*args), rtol=1e-5, atol=1e-7)
+
+    batch = torch.export.Dim("batch", min=1, max=8)
+    _, rewritten, count = _rewrite(module, args, "blocked_softmax", ({0: batch}, {0: batch}, {0: batch}))
+    assert count == 1 and not _barriers(rewritten)
+
+
+class PlainScores(nn.Module):
+    def forward(self, q, k):
+        return torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+
+
+def test_blocked_softmax_reading_a_matmul_directly_is_not_fenced():
+    """No steps between the matmul and the softmax: nothing could become the matmul's epilogue."""
+    _, rewritten, count = _rewrite(PlainScores(), (torch.randn(2, 9, 8), torch.randn(2, 140, 8)), "blocked_softmax")
+    assert count == 1 and not _barriers(rewritten)
+
+
+def test_blocked_softmax_with_dynamic_leading_dims():
+    module, args = MaskedSoftmax(), _masked_softmax_args(5, 150, batch=3)
+    batch, rows = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("rows", min=2, max=64)
+    _, rewritten, count = _rewrite(module, args, "blocked_softmax", ({0: batch, 2: rows}, {0: batch, 2: rows}))
+    assert count == 1
+    other = _masked_softmax_args(9, 150, batch=2)
+    with torch.no_grad():
+        torch.testing.assert_close(rewritten.module()(*other), module(*other), rtol=1e-5, atol=1e-7)
+
+
+class OtherSoftmaxes(nn.Module):
+    def forward(self, x):
+        short = torch.softmax(x[..., :100], dim=-1)        # a row under SOFTMAX_MIN_LENGTH
+        columns = torch.softmax(x, dim=-2)                 # not the last dim
+        half = torch.softmax(x.to(torch.bfloat16), dim=-1).float()  # half precision: eager sums in float
+        wide = torch.softmax(x, dim=-1, dtype=torch.float64).float()  # a result in another dtype
+        return short.sum() + columns.sum() + half.sum() + wide.sum()
+
+
+def test_blocked_softmax_leaves_short_rows_other_dims_and_other_dtypes_alone():
+    _, _, count = _rewrite(OtherSoftmaxes(), (torch.randn(2, 8, 160),), "blocked_softmax")
+    assert count == 0
+
+
+def test_blocked_softmax_with_a_dynamic_row_length_is_left_alone():
+    length = torch.export.Dim("length", min=128, max=512)
+    _, _, count = _rewrite(nn.Softmax(dim=-1), (torch.randn(2, 150),), "blocked_softmax", ({1: length},))
+    assert count == 0
+
+
+def test_blocked_softmax_of_rows_with_a_rest_compiles_and_runs_like_eager(tmp_path):
+    module, args = MaskedSoftmax(), _masked_softmax_args(7, 150)
+    _, rewritten, count = _rewrite(module, args, "blocked_softmax")
+    assert count == 1
+    mlir = _compile(tmp_path, rewritten, module)
+    assert "torch.aten.unflatten" in mlir and "torch.aten._softmax" not in mlir and "torch.aten.softmax" not in mlir
+    got = _run(tmp_path, *(a.numpy() for a in args))
+    with torch.no_grad():
+        want = module(*args).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got[0, 0, 0], np.full(150, 1 / 150, np.float32), rtol=1e-5)
+
+
 # -- end to end ----------------------------------------------------------------------------------------
+
+
+def _compile(tmp_path, rewritten, module) -> str:
+    """Imports the program with aot.export and compiles it for x86-64-v3 into tmp_path (m.vmfb, p.irpa)."""
+    from iree.compiler.tools.binaries import find_tool
+    from iree.turbine import aot
+
+    from dsa.stages import importer_fixes
+
+    importer_fixes.apply()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mlir = str(aot.export(rewritten).mlir_module)
+    assert 'torch.operator "' not in mlir
+    (tmp_path / "m.mlir").write_text(mlir)
+    aot.save_module_parameters(str(tmp_path / "p.irpa"), module)
+    flags = ["--iree-input-type=torch", "--iree-hal-target-device=local",
+             "--iree-hal-local-target-device-backends=llvm-cpu",
+             "--iree-llvmcpu-target-triple=x86_64-unknown-linux-gnu", "--iree-llvmcpu-target-cpu=x86-64-v3",
+             "--iree-vm-bytecode-module-strip-source-map=true", "--iree-llvmcpu-debug-symbols=false"]
+    proc = subprocess.run([find_tool("iree-compile"), str(tmp_path / "m.mlir"), *flags, "-o",
+                           str(tmp_path / "m.vmfb")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return mlir
+
+
+def _run(tmp_path, *args):
+    """Runs the module _compile wrote, with its parameters, on numpy arguments."""
+    import iree.runtime as rt
+
+    config = rt.Config("local-task")
+    index = rt.ParameterIndex()
+    index.load(str(tmp_path / "p.irpa"))
+    params = rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope="model"))
+    vm_module = rt.VmModule.copy_buffer(config.vm_instance, (tmp_path / "m.vmfb").read_bytes())
+    context = rt.SystemContext(vm_modules=[params, vm_module], config=config)
+    return context.modules.module["main"](*args).to_host()
 
 
 class Policy(nn.Module):
     """Every pattern once: 3-channel stem conv + BN, a biased 3x3 conv, 1x1 stride-2 conv, patch embedding,
-    bool-& masked attention."""
+    bool-& masked attention (whose softmax rows are long enough to be blocked)."""
 
     def __init__(self):
         super().__init__()
@@ -701,16 +851,10 @@ class Policy(nn.Module):
 
 
 def test_rewritten_program_imports_compiles_and_runs_like_eager(tmp_path):
-    import iree.runtime as rt
-    from iree.compiler.tools.binaries import find_tool
-    from iree.turbine import aot
-
-    from dsa.stages import importer_fixes
-
-    importer_fixes.apply()
     torch.manual_seed(0)
     module = Policy().eval()
-    image, keep = torch.randn(1, 3, 32, 32), torch.ones(1, 16, dtype=torch.bool)
+    # 96x96 → 12x12 = 144 tokens: the attention's softmax rows are long enough for blocked_softmax.
+    image, keep = torch.randn(1, 3, 96, 96), torch.ones(1, 144, dtype=torch.bool)
     keep[:, -3:] = False
     with torch.no_grad():
         want = module(image, keep).numpy()
@@ -718,32 +862,13 @@ def test_rewritten_program_imports_compiles_and_runs_like_eager(tmp_path):
     rewritten, counts = apply_passes(program, list(PASSES))
     # attention_to_sdpa makes one SDPA; decompose_attention (its inverse, later in the order) takes it apart.
     # The 3-channel stem (its batch norm folded first) becomes im2col + matmul; the 3x3 body conv's bias is
-    # split off; the packed qkv projection is fenced from its head split.
+    # split off; the packed qkv projection is fenced from its head split; the decomposed softmax is blocked.
     assert counts == {"bool_and_to_logical_and": 1, "fold_batchnorm": 1, "patchify_conv_to_matmul": 2,
                       "stem_conv_to_matmul": 1, "split_conv_bias": 1, "conv1d_to_matmul": 0,
-                      "conv_transpose1d_to_matmul": 0,
-                      "attention_to_sdpa": 1, "decompose_attention": 1, "fence_head_split_projections": 1}
+                      "conv_transpose1d_to_matmul": 0, "attention_to_sdpa": 1, "decompose_attention": 1,
+                      "fence_head_split_projections": 1, "blocked_softmax": 1}
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mlir = str(aot.export(rewritten).mlir_module)
-    assert 'torch.operator "' not in mlir
+    mlir = _compile(tmp_path, rewritten, module)
     assert '#flow.parameter.named<"model"::"bn.running_var">' in mlir and "dense_resource" not in mlir
-    (tmp_path / "m.mlir").write_text(mlir)
-    aot.save_module_parameters(str(tmp_path / "p.irpa"), module)
-    flags = ["--iree-input-type=torch", "--iree-hal-target-device=local",
-             "--iree-hal-local-target-device-backends=llvm-cpu",
-             "--iree-llvmcpu-target-triple=x86_64-unknown-linux-gnu", "--iree-llvmcpu-target-cpu=x86-64-v3",
-             "--iree-vm-bytecode-module-strip-source-map=true", "--iree-llvmcpu-debug-symbols=false"]
-    proc = subprocess.run([find_tool("iree-compile"), str(tmp_path / "m.mlir"), *flags, "-o",
-                           str(tmp_path / "m.vmfb")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-    config = rt.Config("local-task")
-    index = rt.ParameterIndex()
-    index.load(str(tmp_path / "p.irpa"))
-    params = rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope="model"))
-    vm_module = rt.VmModule.copy_buffer(config.vm_instance, (tmp_path / "m.vmfb").read_bytes())
-    context = rt.SystemContext(vm_modules=[params, vm_module], config=config)
-    got = context.modules.module["main"](image.numpy(), keep.numpy()).to_host()
+    got = _run(tmp_path, image.numpy(), keep.numpy())
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
