@@ -351,19 +351,6 @@ def _score_matmul(x) -> Optional[fx.Node]:
     return None
 
 
-def _score_matmul(x) -> Optional[fx.Node]:
-    """The matmul whose result reaches `x` through single-user element-wise steps (scale, masks), if any."""
-    for _ in range(16):
-        if not isinstance(x, fx.Node) or x.op != "call_function" or only_user(x) is None:
-            return None
-        if x.target in _MATMULS:
-            return x
-        if x.target not in _SCORE_STEPS:
-            return None
-        x = next((a for a in x.args if isinstance(a, fx.Node) and _leads_to_matmul(a)), None)
-    return None
-
-
 def blocked_softmax(g: PassGraph) -> int:
     """A float32 softmax over the last dim of static length L ≥ 128 (`aten.softmax.int`, `aten._softmax`,
     any leading dims, static or dynamic) → the same softmax computed over blocks of 16: the row's whole
