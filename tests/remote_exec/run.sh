@@ -260,8 +260,9 @@ BG_PID=""
 RC="$(cat "$LOGS/killed.rc")"
 must_succeed killed
 REQUEUE="$(secs "$t_kill" "$(now)")"
+# An action the killed worker finished just before the kill comes back to the retried request as a cache hit.
 python3 "$CHECK_REMOTE" --exec-log "$LOGS/killed.json" --label "$FAULT_TARGET, worker killed" \
-    || fail "worker killed: not every Dsa action executed remotely (above)"
+    --finished-by "$LOGS/worker-killed.log" || fail "worker killed: not every Dsa action executed remotely (above)"
 output_digests "$A" | diff -u "$LOGS/fault-digests.txt" - >"$LOGS/killed.diff" \
     || fail "worker killed: outputs differ from the local build's: $(head -n 20 "$LOGS/killed.diff")"
 grep -q "^start" "$LOGS/worker-second.log" || fail "worker killed: the second worker ran nothing"
