@@ -104,12 +104,12 @@ PASSES: Dict[str, Pass] = {
 # The defaults are chosen for the llvm-cpu targets this release ships (toolchains/targets): there IREE
 # 3.13's fused attention dispatch measured ~10x slower than matmul + softmax, so attention is decomposed
 # (decompose_attention) and attention_to_sdpa, its inverse, is opt-in (for a backend whose fused attention
-# is fast). The others measured faster or equal (blocked_softmax: even on the small PI0.5 at x86-64-v4, faster
-# elsewhere). Numbers: docs/performance.md, bench/RESULTS.md.
+# is fast). The others measured faster or equal. blocked_softmax is opt-in: a held-out SmolVLA (vision at 224 px)
+# compiled with it ran 0.11 away from eager (docs/performance.md). Numbers: docs/performance.md, bench/RESULTS.md.
 DEFAULT_PASSES: Tuple[str, ...] = (
     "bool_and_to_logical_and", "fold_batchnorm", "patchify_conv_to_matmul", "stem_conv_to_matmul",
     "split_conv_bias", "conv1d_to_matmul", "conv_transpose1d_to_matmul", "decompose_attention",
-    "fence_head_split_projections", "blocked_softmax",
+    "fence_head_split_projections",
 )
 
 
